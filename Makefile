@@ -1,0 +1,19 @@
+# Two entry points for a fresh machine: `make demo` (set up, run the default job) and `make test`.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench clean
+setup:
+	bash scripts/bootstrap.sh
+
+demo: setup
+	$(BIN)/dropfl sim --config configs/demo.toml
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: setup
+	$(BIN)/ruff check coordinator edge_client cvx provisioning tests benchmarks
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,1 @@
+"""dropfl coordinator: round loop, strategies, availability, transports, run directories."""

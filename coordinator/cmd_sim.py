@@ -1,0 +1,54 @@
+"""`dropfl sim`: federated training with in-process clients under modelled or replayed dropouts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from coordinator import config
+
+
+def add_parser(sub) -> None:
+    from coordinator.strategies import STRATEGIES
+
+    p = sub.add_parser(
+        "sim", help="simulate federated training under client dropouts",
+        description="Simulate federated training with in-process clients. Every option can also be set "
+                    "in a TOML/JSON file given with --config (sections as the option groups below); "
+                    "flags override the file. Writes a run directory (see docs/run-directory.md).",
+    )
+    config.add_arguments(p, list(STRATEGIES))
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint.pt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def default_out(cfg: config.SimConfig) -> str:
+    return f"runs/{cfg.strategy.algo}-{cfg.availability.kind}-{cfg.data.dataset}-s{cfg.run.seed}"
+
+
+def run(args) -> int:
+    from coordinator.sim import run_sim
+    from coordinator.strategies import STRATEGIES
+
+    cfg = config.resolve(args, list(STRATEGIES))
+    out = cfg.run.out or default_out(cfg)
+    cfg.run.out = out
+    rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
+    last = _last_eval(rundir.file("metrics.jsonl"))
+    print(f"run directory: {out}")
+    if last:
+        print(f"final: round {last['round']}, accuracy {100 * last['accuracy']:.2f}%, "
+              f"uploads {last['uploads']}, client uploads {last['client_uploads']}")
+    return 0
+
+
+def _last_eval(path):
+    last = None
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("accuracy") is not None:
+                last = r
+    return last

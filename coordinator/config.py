@@ -1,0 +1,205 @@
+"""Typed configuration: one dataclass per concern. The CLI options and the config-file keys are
+generated from these fields (their `help` metadata is the `--help` text), so they cannot drift.
+
+Config file (TOML or JSON): sections named like the dataclasses below, keys like the fields, e.g.
+
+    [data]
+    dataset = "fmnist"
+    clients = 30
+    [availability]
+    kind = "bounded"
+    tau_max = 20
+
+Precedence: defaults < config file < command-line flags. The resolved config is saved as
+`config.json` in the run directory and can be passed back with `--config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coordinator.errors import UserError
+
+
+def opt(default, help: str, choices=None, flag: str | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt("fmnist", "dataset", ["fmnist", "mnist", "cifar10"])
+    data_dir: str | None = opt(None, "directory with the dataset files (required for cifar10)")
+    partition: str = opt("shards", "non-IID partitioner",
+                         ["iid", "shards", "fdms-clustered", "fdms-general", "one-label", "dirichlet"])
+    clients: int = opt(30, "number of clients N")
+    shards_per_client: int = opt(2, "shards per client (partition=shards)")
+    dirichlet_alpha: float = opt(0.5, "concentration α (partition=dirichlet)")
+
+
+@dataclass
+class ModelConfig:
+    model: str = opt("mimic-cnn", "model architecture",
+                     ["mimic-cnn", "fdms-cnn", "cifar-lenet", "vgg11", "mlp", "logreg"])
+    dropout: float | None = opt(None, "dropout probability for models with dropout layers "
+                                      "(default: the reference code's 0.5)")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = opt(0.01, "local learning rate at round 0")
+    lr_decay: float = opt(1.0, "per-round decay γ: lr_t = max(lr·γ^t, lr_min) (MimiC FMNIST: 0.95)")
+    lr_min: float = opt(1e-5, "learning-rate floor")
+    batch_size: int = opt(16, "local mini-batch size B")
+    epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)")
+    steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)")
+    engine: str = opt("loop", "simulation engine: loop = reference per-client loop", ["loop"])
+
+
+@dataclass
+class AvailabilityConfig:
+    kind: str = opt("always", "availability model",
+                    ["always", "bounded", "static", "timevarying", "diurnal", "cluster-dropout", "replay"],
+                    flag="--availability")
+    tau_max: int = opt(20, "bounded: maximum period τmax (τ_i drawn from 0..τmax)")
+    tau_dist: str = opt("uniform", "bounded: τ_i distribution (paper: uniform; code: halfnormal)",
+                        ["uniform", "halfnormal"])
+    p: float = opt(0.1, "static: active probability p in (0, 1]")
+    p_levels: int = opt(1, "static: 1 = identical p (paper), 5 = the code's five levels", [1, 5])
+    fraction: float = opt(0.3, "timevarying: fraction P of clients active per round")
+    period: int = opt(100, "diurnal: half-period E in rounds")
+    diurnal_d: int = opt(1, "diurnal: D, clients of digits 0..D-1 form the day group")
+    alpha: float = opt(0.5, "cluster-dropout: dropout ratio α in [0, 1)")
+    min_active: int = opt(0, "if fewer clients are available, draw this many uniformly "
+                             "(MimiC released code: 2)")
+    first_round_all: bool = opt(True, "all clients available in round 0 (MimiC, FDMS)")
+    trace: str | None = opt(None, "replay: participation log (participation.csv of a run)")
+
+
+@dataclass
+class StrategyConfig:
+    algo: str = opt("fedavg", "aggregation strategy")
+    weighting: str = opt("uniform", "fedavg: client weights", ["uniform", "samples"])
+    mu: float = opt(0.001, "fedprox: proximal coefficient μ")
+
+
+@dataclass
+class RunConfig:
+    rounds: int = opt(200, "communication rounds T")
+    seed: int = opt(0, "seed for partition, model init, availability and training")
+    eval_every: int = opt(1, "evaluate the global model every n rounds (and at the last round)")
+    checkpoint_every: int = opt(1, "write checkpoint.pt every n rounds")
+    out: str | None = opt(None, "run directory (default: runs/<algo>-<availability>-<seed>)")
+    threads: int | None = opt(None, "torch intra-op threads (default: torch's choice)")
+
+
+@dataclass
+class SimConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    availability: AvailabilityConfig = field(default_factory=AvailabilityConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(SimConfig)}
+
+
+def flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, algos: list[str]) -> None:
+    """One option per config field; defaults are None so that a config file can fill them."""
+    parser.add_argument("--config", help="TOML or JSON config file (sections: " + ", ".join(SECTIONS) + ")")
+    for section, factory in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(factory()):
+            kw = {"help": f"{f.metadata['help']} (default: {f.default})", "default": None, "dest": f"{section}.{f.name}"}
+            if f.type in ("bool", bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = _parse_type(f.type)
+                kw["metavar"] = f.name.upper()
+            choices = algos if f.name == "algo" else f.metadata.get("choices")
+            if choices:
+                kw["help"] += f"; one of: {', '.join(map(str, choices))}"
+            group.add_argument(flag(f), **kw)
+
+
+def _parse_type(t):
+    t = str(t)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def load_file(path: str) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UserError(f"--config: cannot read {path}: {e.strerror}") from None
+    try:
+        return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise UserError(f"--config: {path} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+
+
+def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
+    file = load_file(args.config) if getattr(args, "config", None) else {}
+    unknown = set(file) - set(SECTIONS)
+    if unknown:
+        raise UserError(f"--config: unknown section(s) {sorted(unknown)} (expected {list(SECTIONS)})")
+    parts = {}
+    for section, factory in SECTIONS.items():
+        obj = factory()
+        names = {f.name for f in dataclasses.fields(obj)}
+        for k, v in file.get(section, {}).items():
+            if k not in names:
+                raise UserError(f"--config: unknown key {section}.{k}")
+            setattr(obj, k, v)
+        for name in names:
+            v = getattr(args, f"{section}.{name}", None)
+            if v is not None:
+                setattr(obj, name, v)
+        parts[section] = obj
+    cfg = SimConfig(**parts)
+    validate(cfg, algos)
+    return cfg
+
+
+def validate(cfg: SimConfig, algos: list[str]) -> None:
+    """Checks that concern single options; models and datasets check the rest when built."""
+    for section, factory in SECTIONS.items():
+        for f in dataclasses.fields(factory()):
+            choices = algos if f.name == "algo" else f.metadata.get("choices")
+            v = getattr(getattr(cfg, section), f.name)
+            if choices and v not in choices:
+                raise UserError(f"{flag(f)}: unknown value {v!r} (choose from {', '.join(map(str, choices))})")
+    c, t, r = cfg.data, cfg.train, cfg.run
+    checks = [
+        (c.clients >= 1, "--clients must be >= 1"),
+        (t.lr > 0, "--lr must be > 0"),
+        (0 < t.lr_decay <= 1, "--lr-decay must be in (0, 1]"),
+        (t.batch_size >= 1, "--batch-size must be >= 1"),
+        (t.epochs >= 1 or (t.steps or 0) >= 1, "--epochs must be >= 1"),
+        (t.steps is None or t.steps >= 1, "--steps must be >= 1"),
+        (r.rounds >= 1, "--rounds must be >= 1"),
+        (r.eval_every >= 1, "--eval-every must be >= 1"),
+        (r.checkpoint_every >= 1, "--checkpoint-every must be >= 1"),
+        (cfg.availability.kind != "replay" or cfg.availability.trace, "--trace is required with --availability replay"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)

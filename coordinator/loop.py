@@ -1,0 +1,124 @@
+"""The round loop: selection, broadcast, collection, deadline and aggregation, for every transport.
+
+    for t in rounds:
+        avail    = availability.round(t)                    # who can take part, and why not
+        selected = strategy.select(state, t, avail)         # e.g. FedLaAvg's oldest-first K
+        tasks    = [strategy.configure(state, t, task(i)) for i in selected]
+        updates, dropped = transport.run_round(t, w, tasks) # sim: in-process; mqtt: edge agents
+        w, state = strategy.aggregate(state, t, w, updates)
+        log participation, metrics, checkpoint
+
+Nothing in here knows whether clients are simulated or real.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from coordinator.availability import RoundAvailability
+from coordinator.rundir import RunDir
+from coordinator.strategies.base import ClientUpdate, Strategy
+from edge_client.trainer import TrainTask
+
+
+class Transport(Protocol):
+    def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]
+                  ) -> tuple[dict[int, ClientUpdate], dict[int, str]]:
+        """Broadcast w, run the tasks; return (updates that arrived in time, {client: drop reason})."""
+        ...
+
+
+class AvailabilitySource(Protocol):
+    def round(self, t: int) -> RoundAvailability: ...
+
+
+@dataclass
+class LoopConfig:
+    rounds: int
+    n_clients: int
+    seed: int
+    lr: float
+    lr_decay: float = 1.0
+    lr_min: float = 1e-5
+    batch_size: int = 16
+    epochs: int | None = 1
+    steps: int | None = None
+    eval_every: int = 1
+    checkpoint_every: int = 1
+
+    def lr_at(self, t: int) -> float:
+        """lr_t = max(lr · γ^t, lr_min) (MimiC released code; γ = 1 keeps it constant)."""
+        return max(self.lr * self.lr_decay ** t, self.lr_min) if self.lr_decay < 1 else self.lr
+
+
+def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySource, transport: Transport,
+               evaluate: Callable[[torch.Tensor], tuple[float, float]], rundir: RunDir,
+               w0: torch.Tensor, resume: bool = False, progress: bool = True) -> torch.Tensor:
+    """Run rounds [start, cfg.rounds) and return the final global model (flat)."""
+    start, w, state, counters = 0, w0.clone(), strategy.init_state(cfg.n_clients, w0), {"uploads": 0, "client_uploads": 0}
+    if resume:
+        ck = rundir.load_checkpoint()
+        if ck is not None:
+            start, w, state, counters = ck["round"] + 1, ck["w"], ck["state"], ck["counters"]
+    plog = rundir.participation_log(resume_from_round=start if resume else None)
+    metrics = rundir.metrics_writer(resume_from_round=start if resume else None)
+    bar = _progress(cfg.rounds, start, progress)
+    t0 = time.perf_counter()
+    for t in range(start, cfg.rounds):
+        tick = time.perf_counter()
+        avail = availability.round(t)
+        rng = np.random.default_rng([cfg.seed, t, 0x5E1])
+        selected = strategy.select(state, t, avail.available, rng)
+        lr = cfg.lr_at(t)
+        tasks = [strategy.configure(state, t, TrainTask(client=i, round=t, lr=lr, batch_size=cfg.batch_size,
+                                                        epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed))
+                 for i in selected]
+        updates, dropped = transport.run_round(t, w, tasks)
+        w, state = strategy.aggregate(state, t, w, updates)
+        if not torch.isfinite(w).all():
+            raise FloatingPointError(f"round {t}: the global model is no longer finite (lr too high?)")
+        if updates:
+            counters["uploads"] += strategy.uploads_per_round
+            counters["client_uploads"] += strategy.uploads_per_round * len(updates)
+        plog.write_round(t, cfg.n_clients, avail, selected, set(updates), dropped)
+        row = {"round": t, "lr": lr, "uploads": counters["uploads"], "client_uploads": counters["client_uploads"],
+               "available": int(avail.available.sum()), "selected": len(selected), "participants": len(updates),
+               "train_loss": _mean([u.loss for u in updates.values()])}
+        if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
+            row["accuracy"], row["loss"] = evaluate(w)
+        row["seconds"] = time.perf_counter() - tick
+        row["elapsed"] = time.perf_counter() - t0
+        metrics.write(row)
+        if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
+            rundir.save_checkpoint({"round": t, "w": w, "state": state, "counters": counters})
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(_postfix(row, metrics.last_accuracy))
+    if bar is not None:
+        bar.close()
+    return w
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x == x]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _postfix(row: dict, last_acc: float | None) -> dict:
+    out = {"part": f"{row['participants']}/{row['available']}"}
+    if last_acc is not None and not math.isnan(last_acc):
+        out["acc"] = f"{100 * last_acc:.2f}%"
+    return out
+
+
+def _progress(total: int, start: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, desc="rounds", unit="round", dynamic_ncols=True)

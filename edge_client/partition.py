@@ -1,0 +1,129 @@
+"""Seeded non-IID partitioners from the papers. Each returns a list of index arrays, one per client.
+
+- `shards`           MimiC: sort by label, cut into shards (60 × 1000 on FMNIST), 2 random shards per client.
+- `fdms_clustered`   FL-FDMS: clusters of consecutive clients, disjoint label pairs per cluster,
+                     `per_label` samples of each of the cluster's labels per client, without replacement.
+- `fdms_general`     FL-FDMS general: sort by label, 200 partitions of 250, 2 per client (a `shards` setting).
+- `one_label`        FedLaAvg: N/10 clients per digit, each digit's images split with proportions
+                     5 + N(0, 1) clamped to [3, 7] and normalised (roughly Normal sizes).
+- `dirichlet`        per class, proportions ~ Dir(alpha) over clients.
+- `iid`              uniform random equal split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PartitionError(ValueError):
+    pass
+
+
+def iid(labels: np.ndarray, n_clients: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(labels))
+    return [np.sort(p) for p in np.array_split(perm, n_clients)]
+
+
+def shards(labels: np.ndarray, n_clients: int, seed: int, shards_per_client: int = 2,
+           n_shards: int | None = None, shard_size: int | None = None) -> list[np.ndarray]:
+    """Pathological shards (McMahan et al.; MimiC §7.1): sort indices by label (stable), cut the list
+    into `n_shards` consecutive shards of `shard_size`, give each client `shards_per_client` distinct
+    random shards. Defaults: n_shards = clients × shards_per_client, shard_size = n // n_shards
+    (FMNIST, 30 clients: 60 single-class shards of 1000)."""
+    n_shards = n_clients * shards_per_client if n_shards is None else n_shards
+    shard_size = len(labels) // n_shards if shard_size is None else shard_size
+    if n_clients * shards_per_client > n_shards:
+        raise PartitionError(f"--clients: {n_clients} clients × {shards_per_client} shards exceed {n_shards} shards")
+    if shard_size < 1 or shard_size * n_shards > len(labels):
+        raise PartitionError(f"--partition: {n_shards} shards of {shard_size} do not fit {len(labels)} samples")
+    rng = np.random.default_rng(seed)
+    order = np.argsort(labels, kind="stable")[: n_shards * shard_size].reshape(n_shards, shard_size)
+    pick = rng.permutation(n_shards)
+    return [np.sort(order[pick[c * shards_per_client:(c + 1) * shards_per_client]].ravel())
+            for c in range(n_clients)]
+
+
+def fdms_general(labels: np.ndarray, n_clients: int, seed: int) -> list[np.ndarray]:
+    """FL-FDMS general setting: label-sorted list cut into 200 partitions of 250, 2 per client."""
+    return shards(labels, n_clients, seed, shards_per_client=2, n_shards=200, shard_size=250)
+
+
+def fdms_clustered(labels: np.ndarray, n_clients: int, seed: int, n_clusters: int = 5,
+                   labels_per_cluster: int = 2, per_label: int = 100) -> list[np.ndarray]:
+    """FL-FDMS clustered setting: clients {0..3} form cluster 0, {4..7} cluster 1, ...; clusters get
+    disjoint label sets drawn without replacement; each client takes `per_label` samples of each of its
+    cluster's labels, without replacement across clients (MNIST: 2 × 100 = 200 samples per client)."""
+    classes = np.unique(labels)
+    if n_clusters * labels_per_cluster > len(classes):
+        raise PartitionError(f"--partition fdms-clustered: {n_clusters} clusters × {labels_per_cluster} "
+                             f"labels need more than {len(classes)} classes")
+    if n_clients % n_clusters:
+        raise PartitionError(f"--clients: {n_clients} is not a multiple of {n_clusters} clusters")
+    rng = np.random.default_rng(seed)
+    drawn = rng.permutation(classes)[: n_clusters * labels_per_cluster].reshape(n_clusters, labels_per_cluster)
+    pools = {int(c): list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+    size = n_clients // n_clusters
+    out = []
+    for c in range(n_clients):
+        mine = []
+        for lab in drawn[c // size]:
+            pool = pools[int(lab)]
+            if len(pool) < per_label:
+                raise PartitionError(f"--partition fdms-clustered: not enough samples of label {lab}")
+            mine.extend(pool[:per_label])
+            del pool[:per_label]
+        out.append(np.sort(np.array(mine)))
+    return out
+
+
+def cluster_of(client: int, n_clients: int, n_clusters: int = 5) -> int:
+    return client // (n_clients // n_clusters)
+
+
+def one_label(labels: np.ndarray, n_clients: int, seed: int) -> list[np.ndarray]:
+    """FedLaAvg: clients hold one digit each, N/10 clients per digit, ordered by digit (clients
+    0..N/10-1 hold digit 0). Sizes follow proportions 5 + N(0,1) clamped to [3, 7] (FedLaAvg [C])."""
+    classes = np.unique(labels)
+    if n_clients % len(classes):
+        raise PartitionError(f"--clients: {n_clients} is not a multiple of {len(classes)} classes")
+    rng = np.random.default_rng(seed)
+    per = n_clients // len(classes)
+    out = []
+    for c in classes:
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        prop = np.clip(5 + rng.standard_normal(per), 3, 7)
+        cuts = (np.cumsum(prop / prop.sum())[:-1] * len(idx)).astype(int)
+        out.extend(np.sort(p) for p in np.split(idx, cuts))
+    return out
+
+
+def dirichlet(labels: np.ndarray, n_clients: int, seed: int, alpha: float = 0.5,
+              min_size: int = 1) -> list[np.ndarray]:
+    """Per class, split its samples over clients with proportions ~ Dir(alpha); redraw until every
+    client has at least `min_size` samples (as in NIID-Bench)."""
+    if alpha <= 0:
+        raise PartitionError(f"--dirichlet-alpha must be > 0 (got {alpha})")
+    rng = np.random.default_rng(seed)
+    for _ in range(1000):
+        buckets: list[list[int]] = [[] for _ in range(n_clients)]
+        for c in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            cuts = (np.cumsum(rng.dirichlet(np.full(n_clients, alpha)))[:-1] * len(idx)).astype(int)
+            for b, part in zip(buckets, np.split(idx, cuts)):
+                b.extend(part.tolist())
+        if min(len(b) for b in buckets) >= min_size:
+            return [np.sort(np.array(b, dtype=np.int64)) for b in buckets]
+    raise PartitionError(f"--dirichlet-alpha {alpha}: could not give every client {min_size} samples")
+
+
+PARTITIONERS = {"iid": iid, "shards": shards, "fdms-clustered": fdms_clustered,
+                "fdms-general": fdms_general, "one-label": one_label, "dirichlet": dirichlet}
+
+
+def partition(name: str, labels: np.ndarray, n_clients: int, seed: int, **kw) -> list[np.ndarray]:
+    if name not in PARTITIONERS:
+        raise PartitionError(f"--partition: unknown partitioner {name!r} (choose from {', '.join(PARTITIONERS)})")
+    if n_clients < 1:
+        raise PartitionError(f"--clients must be >= 1 (got {n_clients})")
+    return PARTITIONERS[name](np.asarray(labels), n_clients, seed, **kw)

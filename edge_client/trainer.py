@@ -1,0 +1,113 @@
+"""Local training: the reference per-client SGD loop, shared by simulation and the edge agent.
+
+A client's training is a pure function of (global weights, its data, the task): mini-batches and
+dropout masks come from a generator seeded by (run seed, round, client), so the same task gives the
+same update in simulation, on a device, or in the batched engine, whatever the worker count.
+
+Update convention (the MimiC/MIFA released code's "delta units"): the client returns
+    delta = w_global − w_local,
+so the server applies w ← w − aggregate(deltas).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edge_client.models import dropout_layers, get_flat, set_flat
+
+
+@dataclass
+class TrainTask:
+    """What the coordinator asks one client to do in one round."""
+
+    client: int
+    round: int
+    lr: float
+    batch_size: int
+    epochs: int | None = 1          # full passes over the local data (drop_last=False) ...
+    steps: int | None = None        # ... or exactly this many SGD steps (takes precedence)
+    prox_mu: float = 0.0            # FedProx: + μ/2 ‖w − w_global‖² in the local loss
+    grad_correction: torch.Tensor | None = None  # SCAFFOLD: added to every gradient (c − c_i)
+    seed: int = 0
+
+
+@dataclass
+class LocalResult:
+    delta: torch.Tensor   # w_global − w_local
+    num_samples: int
+    steps: int
+    loss: float           # mean training loss over the steps
+    seconds: float        # wall time of the training
+
+
+def client_generator(seed: int, rnd: int, client: int) -> torch.Generator:
+    """The one source of randomness of a client's round (batch order, dropout masks)."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + rnd) * 1_000_033 + client)
+    return g
+
+
+def batch_plan(n: int, task: TrainTask, gen: torch.Generator) -> list[torch.Tensor]:
+    """Index batches for one round: successive random permutations of 0..n-1 cut into batches of
+    `batch_size` (the last batch of an epoch may be smaller), for `epochs` passes or `steps` steps."""
+    if n == 0:
+        return []
+    batches: list[torch.Tensor] = []
+    limit = task.steps if task.steps is not None else (task.epochs or 0) * -(-n // task.batch_size)
+    while len(batches) < limit:
+        perm = torch.randperm(n, generator=gen)
+        batches.extend(perm[i:i + task.batch_size] for i in range(0, n, task.batch_size))
+    return batches[:limit]
+
+
+def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                task: TrainTask) -> LocalResult:
+    """Plain SGD (no momentum, no weight decay), cross-entropy, from `w_global`. Reference path."""
+    start = time.perf_counter()
+    gen = client_generator(task.seed, task.round, task.client)
+    plan = batch_plan(len(y), task, gen)
+    set_flat(model, w_global)
+    model.train()
+    for layer in dropout_layers(model):
+        layer.generator = gen
+    params = list(model.parameters())
+    anchor = [p.detach().clone() for p in params] if task.prox_mu else None
+    corr = None
+    if task.grad_correction is not None:
+        corr = list(torch.split(task.grad_correction, [p.numel() for p in params]))
+    loss_sum = 0.0
+    for idx in plan:
+        for p in params:
+            p.grad = None
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        loss_sum += float(loss.detach())
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                g = p.grad
+                if anchor is not None:
+                    g = g + task.prox_mu * (p - anchor[j])
+                if corr is not None:
+                    g = g + corr[j].view_as(p)
+                p.add_(g, alpha=-task.lr)
+    delta = w_global - get_flat(model)
+    return LocalResult(delta, len(y), len(plan), loss_sum / max(len(plan), 1), time.perf_counter() - start)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+             batch: int = 2000) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of weights `w` on (x, y)."""
+    set_flat(model, w)
+    model.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(y), batch):
+        out = model(x[i:i + batch])
+        loss += float(nn.functional.cross_entropy(out, y[i:i + batch], reduction="sum"))
+        correct += int((out.argmax(1) == y[i:i + batch]).sum())
+    n = max(len(y), 1)
+    return correct / n, loss / n
