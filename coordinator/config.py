@@ -63,7 +63,8 @@ class TrainConfig:
 @dataclass
 class AvailabilityConfig:
     kind: str = opt("always", "availability model",
-                    ["always", "bounded", "static", "timevarying", "diurnal", "cluster-dropout", "replay"],
+                    ["always", "bounded", "static", "timevarying", "diurnal", "cluster-dropout", "replay",
+                     "device-trace"],
                     flag="--availability")
     tau_max: int = opt(20, "bounded: maximum period τmax (τ_i drawn from 0..τmax)")
     tau_dist: str = opt("uniform", "bounded: τ_i distribution (paper: uniform; code: halfnormal)",
@@ -78,6 +79,12 @@ class AvailabilityConfig:
                              "(MimiC released code: 2)")
     first_round_all: bool = opt(True, "all clients available in round 0 (MimiC, FDMS)")
     trace: str | None = opt(None, "replay: participation log (participation.csv of a run)")
+    device_trace: str | None = opt(None, "device-trace: device time series CSV (docs/traces.md)")
+    round_seconds: float = opt(60.0, "device-trace: virtual seconds per round")
+    start_seconds: float = opt(0.0, "device-trace: trace time of round 0")
+    min_battery: float = opt(0.0, "device-trace: minimum battery %% to train")
+    require_charging: bool = opt(False, "device-trace: train only while charging")
+    min_uplink: float = opt(0.0, "device-trace: minimum uplink bytes/s to train")
 
 
 @dataclass
@@ -199,6 +206,8 @@ def validate(cfg: SimConfig, algos: list[str]) -> None:
         (r.eval_every >= 1, "--eval-every must be >= 1"),
         (r.checkpoint_every >= 1, "--checkpoint-every must be >= 1"),
         (cfg.availability.kind != "replay" or cfg.availability.trace, "--trace is required with --availability replay"),
+        (cfg.availability.kind != "device-trace" or cfg.availability.device_trace,
+         "--device-trace is required with --availability device-trace"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -61,7 +62,8 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
                evaluate: Callable[[torch.Tensor], tuple[float, float]], rundir: RunDir,
                w0: torch.Tensor, resume: bool = False, progress: bool = True) -> torch.Tensor:
     """Run rounds [start, cfg.rounds) and return the final global model (flat)."""
-    start, w, state, counters = 0, w0.clone(), strategy.init_state(cfg.n_clients, w0), {"uploads": 0, "client_uploads": 0}
+    start, w, state = 0, w0.clone(), strategy.init_state(cfg.n_clients, w0)
+    counters = {"uploads": 0, "client_uploads": 0}
     if resume:
         ck = rundir.load_checkpoint()
         if ck is not None:

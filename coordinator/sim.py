@@ -11,6 +11,7 @@ from coordinator.loop import LoopConfig, run_rounds
 from coordinator.participation import Replay
 from coordinator.rundir import RunDir
 from coordinator.strategies import STRATEGIES, ClientUpdate, Strategy
+from coordinator.traces import DeviceTraceAvailability
 from edge_client import datasets, partition
 from edge_client.models import build_model, get_flat, set_flat
 from edge_client.trainer import TrainTask, evaluate, local_train
@@ -41,6 +42,9 @@ def build_availability(cfg: SimConfig):
         if cfg.run.rounds > replay.rounds:
             raise UserError(f"--rounds {cfg.run.rounds}: the trace {a.trace} covers only {replay.rounds} rounds")
         return replay
+    if a.kind == "device-trace":
+        return DeviceTraceAvailability(a.device_trace, n, a.round_seconds, a.start_seconds, a.min_battery,
+                                       a.require_charging, a.min_uplink)
     if a.kind == "always":
         return av.AlwaysOn(n, seed, **common)
     if a.kind == "bounded":

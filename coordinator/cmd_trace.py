@@ -1,0 +1,60 @@
+"""`dropfl trace`: import and summarise availability traces (schemas in docs/traces.md)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from coordinator.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("trace", help="import and summarise availability traces",
+                       description="Availability traces: import FedScale's client_behave_trace into the "
+                                   "device-trace schema, or summarise a participation log. Schemas: docs/traces.md.")
+    tsub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    imp = tsub.add_parser("import-fedscale", help="convert a FedScale client_behave_trace pickle to a device trace CSV")
+    imp.add_argument("pickle", help="FedScale client_behave_trace file (pickled dict)")
+    imp.add_argument("out", help="device trace CSV to write")
+    imp.add_argument("--horizon", type=float, default=None,
+                     help="unroll the periodic pattern up to this many seconds (default: one period)")
+    imp.add_argument("--max-devices", type=int, default=None, help="keep only the first N devices")
+    imp.set_defaults(func=run_import)
+    show = tsub.add_parser("show", help="summarise a participation log (a run directory or participation.csv)")
+    show.add_argument("path", help="run directory or participation.csv")
+    show.set_defaults(func=run_show)
+
+
+def run_import(args) -> int:
+    from coordinator.traces import import_fedscale
+
+    n = import_fedscale(args.pickle, args.out, args.horizon, args.max_devices)
+    print(f"wrote {n} devices to {args.out}")
+    return 0
+
+
+def summarise(path: str | Path) -> dict:
+    from coordinator.participation import read_rows
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "participation.csv"
+    if not p.exists():
+        raise UserError(f"trace show: {p} does not exist")
+    rows = read_rows(p)
+    rounds = {int(r["round"]) for r in rows}
+    clients = {int(r["client"]) for r in rows}
+    status = Counter(r["status"] for r in rows)
+    reasons = Counter(r["reason"] for r in rows if r["status"] in ("unavailable", "dropped"))
+    return {"rounds": len(rounds), "clients": len(clients), "status": dict(status), "reasons": dict(reasons),
+            "participants_per_round": status["participated"] / max(len(rounds), 1)}
+
+
+def run_show(args) -> int:
+    s = summarise(args.path)
+    print(f"rounds {s['rounds']}, clients {s['clients']}, participants per round {s['participants_per_round']:.2f}")
+    for k, v in sorted(s["status"].items()):
+        print(f"  {k:13s} {v}")
+    for k, v in sorted(s["reasons"].items(), key=lambda kv: -kv[1]):
+        print(f"  absent: {k or '(none)':10s} {v}")
+    return 0

@@ -1,0 +1,169 @@
+"""Device availability traces (schema in docs/traces.md): replay on a virtual clock, and import
+from FedScale's `client_behave_trace`.
+
+A device trace is one CSV with a row per device per sample, a step function in time:
+
+    device,t_s,online,battery_pct,charging,uplink_Bps,downlink_Bps
+    pi-01,0,1,87.5,0,250000,1000000
+    pi-01,60,1,86.9,0,,
+
+Empty cells mean "not recorded" and never make a device unavailable. The edge agent records its
+own trace in this schema, so every field trial can be replayed here.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import pickle
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.availability import RoundAvailability
+from coordinator.errors import UserError
+
+TRACE_FIELDS = ("device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps")
+
+
+@dataclass
+class DeviceSeries:
+    t: list[float]
+    rows: list[dict]
+
+    def at(self, time_s: float) -> dict | None:
+        """The last sample at or before `time_s` (None before the first sample)."""
+        i = bisect_right(self.t, time_s) - 1
+        return self.rows[i] if i >= 0 else None
+
+
+def _num(v: str | None) -> float | None:
+    if v is None or v.strip() == "":
+        return None
+    return float(v)
+
+
+def read_device_trace(path: str | Path) -> dict[str, DeviceSeries]:
+    try:
+        f = open(path, newline="")
+    except OSError as e:
+        raise UserError(f"--device-trace: cannot read {path}: {e.strerror}") from None
+    series: dict[str, list[tuple[float, dict]]] = {}
+    with f:
+        reader = csv.DictReader(f)
+        missing = set(TRACE_FIELDS) - set(reader.fieldnames or [])
+        if missing:
+            raise UserError(f"--device-trace: {path} lacks columns {sorted(missing)} (schema: docs/traces.md)")
+        for lineno, r in enumerate(reader, start=2):
+            try:
+                row = {"online": _num(r["online"]), "battery_pct": _num(r["battery_pct"]),
+                       "charging": _num(r["charging"]), "uplink_Bps": _num(r["uplink_Bps"]),
+                       "downlink_Bps": _num(r["downlink_Bps"])}
+                t = float(r["t_s"])
+            except (TypeError, ValueError):
+                raise UserError(f"--device-trace: {path}:{lineno}: not a number in {r}") from None
+            series.setdefault(r["device"], []).append((t, row))
+    if not series:
+        raise UserError(f"--device-trace: {path} holds no samples")
+    out = {}
+    for dev, pts in series.items():
+        pts.sort(key=lambda p: p[0])
+        out[dev] = DeviceSeries([p[0] for p in pts], [p[1] for p in pts])
+    return out
+
+
+def device_order(devices) -> list[str]:
+    """Devices map to clients 0..N-1 in natural order (numeric ids numerically, others by name)."""
+    return sorted(devices, key=lambda d: (0, int(d), "") if d.isdigit() else (1, 0, d))
+
+
+class DeviceTraceAvailability:
+    """Availability from device time series on a virtual clock: round t happens at
+    `start_s + t · round_s`. A device is unavailable if it is offline, below `min_battery`, not
+    charging while `require_charging`, or its uplink is below `min_uplink_Bps` — checked in that
+    order, the first failing check is the reason. Before its first sample a device is offline."""
+
+    name = "device-trace"
+
+    def __init__(self, path: str | Path, n_clients: int, round_s: float, start_s: float = 0.0,
+                 min_battery: float = 0.0, require_charging: bool = False, min_uplink_Bps: float = 0.0):
+        if round_s <= 0:
+            raise UserError(f"--round-seconds must be > 0 (got {round_s})")
+        traces = read_device_trace(path)
+        order = device_order(traces)
+        if len(order) < n_clients:
+            raise UserError(f"--device-trace: {path} has {len(order)} devices, fewer than --clients {n_clients}")
+        self.devices = order[:n_clients]
+        self.series = [traces[d] for d in self.devices]
+        self.n, self.round_s, self.start_s = n_clients, round_s, start_s
+        self.min_battery, self.require_charging, self.min_uplink = min_battery, require_charging, min_uplink_Bps
+
+    def time_of(self, t: int) -> float:
+        return self.start_s + t * self.round_s
+
+    def why_not(self, s: dict | None) -> str | None:
+        if s is None or s["online"] is None or s["online"] < 0.5:
+            return "offline"
+        if s["battery_pct"] is not None and s["battery_pct"] < self.min_battery:
+            return "battery"
+        if self.require_charging and s["charging"] is not None and s["charging"] < 0.5:
+            return "charging"
+        if self.min_uplink and s["uplink_Bps"] is not None and s["uplink_Bps"] < self.min_uplink:
+            return "slow_link"
+        return None
+
+    def round(self, t: int) -> RoundAvailability:
+        now = self.time_of(t)
+        avail = np.zeros(self.n, bool)
+        reasons = {}
+        for i, s in enumerate(self.series):
+            why = self.why_not(s.at(now))
+            if why is None:
+                avail[i] = True
+            else:
+                reasons[i] = why
+        return RoundAvailability(avail, reasons)
+
+
+def import_fedscale(pkl: str | Path, out_csv: str | Path, horizon_s: float | None = None,
+                    max_devices: int | None = None) -> int:
+    """Convert FedScale's `client_behave_trace` (a pickled dict client_id -> {"active": [...],
+    "inactive": [...], "finish_time": T}) into our device trace. FedScale treats a client as online
+    iff active[k] ≤ (t mod T) ≤ inactive[k] for some k; the pattern repeats every T seconds, and is
+    unrolled here up to `horizon_s` (default: one period). Returns the number of devices written."""
+    try:
+        with open(pkl, "rb") as f:
+            data = pickle.load(f)
+    except OSError as e:
+        raise UserError(f"trace import: cannot read {pkl}: {e.strerror}") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as e:
+        raise UserError(f"trace import: {pkl} is not a pickled FedScale trace ({e})") from None
+    if not isinstance(data, dict) or not data:
+        raise UserError(f"trace import: {pkl} is not a dict of client traces")
+    ids = sorted(data, key=lambda k: (0, int(k), "") if str(k).isdigit() else (1, 0, str(k)))
+    if max_devices:
+        ids = ids[:max_devices]
+    with open(out_csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(TRACE_FIELDS)
+        for cid in ids:
+            tr = data[cid]
+            try:
+                act, ina, period = list(tr["active"]), list(tr["inactive"]), float(tr["finish_time"])
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"trace import: client {cid} lacks active/inactive/finish_time") from None
+            if len(act) != len(ina) or period <= 0:
+                raise UserError(f"trace import: client {cid}: {len(act)} active vs {len(ina)} inactive times")
+            horizon = horizon_s or period
+            for rep in range(math.ceil(horizon / period)):
+                base = rep * period
+                if not act or act[0] > 0:
+                    w.writerow([cid, base, 0, "", "", "", ""])
+                for a, b in zip(act, ina):
+                    if base + a < horizon:
+                        w.writerow([cid, base + a, 1, "", "", "", ""])
+                        # FedScale's interval is closed at `inactive`; offline just after it.
+                        w.writerow([cid, math.nextafter(base + b, math.inf), 0, "", "", "", ""])
+    return len(ids)
