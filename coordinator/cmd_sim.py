@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
 from coordinator import config
 
@@ -35,7 +33,7 @@ def run(args) -> int:
     cfg = config.resolve(args, list(STRATEGIES))
     out = cfg.run.out or default_out(cfg)
     cfg.run.out = out
-    rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
+    rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress)
     last = _last_eval(rundir.file("metrics.jsonl"))
     print(f"run directory: {out}")
     if last:

@@ -14,6 +14,7 @@ Nothing in here knows whether clients are simulated or real.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,6 +103,11 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         if bar is not None:
             bar.update(1)
             bar.set_postfix(_postfix(row, metrics.last_accuracy))
+        elif progress and "accuracy" in row:  # not a terminal: one line per evaluation
+            eta = row["elapsed"] / (t + 1 - start) * (cfg.rounds - t - 1)
+            print(f"round {t + 1}/{cfg.rounds}  accuracy {100 * row['accuracy']:.2f}%  "
+                  f"participants {row['participants']}/{row['available']}  eta {eta:.0f}s",
+                  file=sys.stderr, flush=True)
     if bar is not None:
         bar.close()
     return w
@@ -120,7 +126,8 @@ def _postfix(row: dict, last_acc: float | None) -> dict:
 
 
 def _progress(total: int, start: int, enabled: bool):
-    if not enabled:
+    """A tqdm bar (round, accuracy, ETA) on a terminal; None otherwise."""
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
     return tqdm(total=total, initial=start, desc="rounds", unit="round", dynamic_ncols=True)
