@@ -8,7 +8,7 @@ import sys
 
 from coordinator.errors import UserError
 
-SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace"]
+SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision"]
 
 
 def build_parser() -> argparse.ArgumentParser:
