@@ -33,6 +33,8 @@ class TrainTask:
     prox_mu: float = 0.0            # FedProx: + μ/2 ‖w − w_global‖² in the local loss
     grad_correction: torch.Tensor | None = None  # SCAFFOLD: added to every gradient (c − c_i)
     seed: int = 0
+    dropout_rate: float | None = None  # FedDD: upload only 1 − D of the model (edge_client/feddd.py)
+    sparse_download: bool = False      # FedDD eq. (5): this round's download is W^t on the last mask only
 
 
 @dataclass
