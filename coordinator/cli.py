@@ -8,7 +8,7 @@ import sys
 
 from coordinator.errors import UserError
 
-SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision"]
+SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision", "edge_client.agent"]
 
 
 def build_parser() -> argparse.ArgumentParser:
