@@ -29,8 +29,12 @@ class SimTransport:
         updates = {}
         for task in tasks:
             x, y = self.client_data[task.client]
-            r = local_train(self.model, w, x, y, task)
-            updates[task.client] = ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
+            # edge_client.models.set_flat (vector_to_parameters) makes the parameters VIEWS of the vector it
+            # is given, so training wrote into the global w and r.delta was always 0: pass a copy, and take
+            # the delta from the trained parameters (correct whether or not set_flat copies).
+            r = local_train(self.model, w.clone(), x, y, task)
+            delta = w - get_flat(self.model)
+            updates[task.client] = ClientUpdate(task.client, delta, r.num_samples, r.steps, task.lr, r.loss)
         return updates, {}
 
 
