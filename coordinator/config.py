@@ -92,6 +92,25 @@ class StrategyConfig:
     algo: str = opt("fedavg", "aggregation strategy")
     weighting: str = opt("uniform", "fedavg: client weights", ["uniform", "samples"])
     mu: float = opt(0.001, "fedprox: proximal coefficient μ")
+    feddd_d_max: float = opt(0.8, "feddd: maximal dropout rate D_max")
+    feddd_a_server: float = opt(0.6, "feddd, fedcs: upload budget A_server, the fraction of all clients' "
+                                     "model bytes uploaded per round")
+    feddd_delta: float = opt(0.0, "feddd: penalty δ of eq. 16, seconds per unit of the regulariser re_n")
+    feddd_full_every: int = opt(1, "feddd: h, full-model download every h rounds, sparse in between (eqs. 5-6)")
+    fedcs_deadline: float | None = opt(None, "fedcs: round deadline in seconds (default: budget only)")
+    rate_smoothing: float = opt(0.5, "feddd, fedcs: weight of a new rate measurement in the running estimate")
+    server_lr: float = opt(1.0, "fedavg, fedprox, scaffold, fdms, mimic (delta units): global step on the "
+                                "averaged update (released codes: 1; FL-FDMS paper text: 0.1)")
+    units: str = opt("delta", "mimic, mifa: update units, delta = released code (w ← w − mean delta), "
+                              "gradient = paper text (average gradients, w ← w − η_t v_t)", ["delta", "gradient"])
+    global_lr: float = opt(0.01, "mimic, mifa with --units gradient: η_0 of η_t = global_lr·global_lr_decay^t")
+    global_lr_decay: float = opt(0.95, "mimic, mifa with --units gradient: per-round factor of η_t")
+    mifa_round_weights: bool = opt(True, "mifa: weights round(1/N, 4) as the released code (--no-... : exact 1/N)")
+    beta: float = opt(0.1, "fedlaavg: fraction β of clients selected per round, K = βN (oldest first)")
+    fdms_cr: str = opt("off", "fdms: complexity reduction, case1 = Θt, case2 = 0.5·Θt", ["off", "case1", "case2"])
+    stale_variant: str = opt("weights", "stale: weights = last local models (FL-FDMS code), "
+                                        "update = last updates (paper text)", ["weights", "update"])
+    scaffold_correction_lr: float | None = opt(None, "scaffold: η_L in c_i⁺ (default: the round's local lr)")
 
 
 @dataclass

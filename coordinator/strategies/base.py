@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from edge_client.report import ClientReport
 from edge_client.trainer import TrainTask
 
 State = dict[str, torch.Tensor]
@@ -29,6 +30,7 @@ class ClientUpdate:
     lr: float                      # local learning rate used this round
     loss: float = float("nan")     # mean local training loss
     mask: torch.Tensor | None = None  # FedDD: bool mask of uploaded coordinates (None = all)
+    report: ClientReport | None = None  # measured compute time, link rates, bytes (FedDD, FedCS)
 
 
 class Strategy:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from coordinator.strategies.base import ClientUpdate, State, Strategy, mean_delta
@@ -23,6 +22,10 @@ class FedAvg(Strategy):
 
     def __init__(self, *, weighting: str = "uniform", server_lr: float = 1.0):
         self.weighting, self.server_lr = weighting, server_lr
+
+    @classmethod
+    def from_config(cls, s) -> FedAvg:
+        return cls(weighting=s.weighting, server_lr=s.server_lr)
 
     def aggregate(self, state: State, t: int, w: torch.Tensor,
                   updates: dict[int, ClientUpdate]) -> tuple[torch.Tensor, State]:
