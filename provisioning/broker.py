@@ -43,7 +43,7 @@ HOST_RE = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 PBKDF2_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes; mosquitto reads the count from the hash
 CA_DAYS = 3650
 SERVER_DAYS = 825
-MAX_PACKET_BYTES = 64 * 1024 * 1024  # above any chunk the wire sends; mosquitto drops bigger packets
+MAX_PACKET_BYTES = 16 * 1024 * 1024  # 64x the wire's default chunk (256 KiB); mosquitto drops bigger packets
 
 
 class ProvisionError(Exception):
@@ -298,6 +298,8 @@ def mosquitto_conf(d: BrokerDir, s: BrokerSettings) -> str:
 pid_file {root / 'run' / 'mosquitto.pid'}
 persistence false
 max_packet_size {MAX_PACKET_BYTES}
+# A model broadcast is many QoS 1 chunks; the default queue (1000 per client) could drop some.
+max_queued_messages 100000
 connection_messages true
 log_dest stderr
 log_type error
@@ -325,10 +327,22 @@ require_certificate false
 # ---------------------------------------------------------------- commands
 
 
-def client_config(s: BrokerSettings, host: str, username: str, password: str) -> dict:
-    """The `broker` section shared by agent.json and coordinator.json (ca_file relative to the file)."""
-    return {"host": host, "port": s.port, "username": username, "password": password, "tls": True,
-            "ca_file": "ca.crt"}
+def broker_url(host: str, port: int) -> str:
+    """`mqtts://` = MQTT over TLS (the agent's `broker` key; docs/protocol.md, "Connecting")."""
+    return f"mqtts://[{host}]:{port}" if ":" in host else f"mqtts://{host}:{port}"
+
+
+def agent_config(s: BrokerSettings, host: str, name: str, password: str) -> dict:
+    """A device's agent.json: the `[agent]` keys of edge_client.agent's config that bind it to this
+    broker. ca_file is relative to the config file. The trial's sections (data, model, policy,
+    battery) are added on the device (provisioning/setup-device.sh)."""
+    return {"agent": {"device_id": name, "broker": broker_url(host, s.port), "password": password,
+                      "ca_file": "ca.crt"}}
+
+
+def coordinator_config(s: BrokerSettings, host: str, password: str, ca_file: Path) -> dict:
+    return {"broker": broker_url(host, s.port), "username": s.coordinator_user, "password": password,
+            "ca_file": str(ca_file)}
 
 
 def init(root: Path, hosts: list[str], port: int = DEFAULT_PORT, bind: str | None = None,
@@ -366,8 +380,7 @@ def init(root: Path, hosts: list[str], port: int = DEFAULT_PORT, bind: str | Non
         write_passwd(d, {s.coordinator_user: hash_password(password)}, s)
         write_acl(d, s)
         _write(d.conf, mosquitto_conf(d, s), 0o644)
-        coord = {"broker": client_config(s, all_hosts[0], s.coordinator_user, password)}
-        coord["broker"]["ca_file"] = str(d.ca_crt.resolve())
+        coord = coordinator_config(s, all_hosts[0], password, d.ca_crt.resolve())
         _write(d.coordinator, json.dumps(coord, indent=2) + "\n", 0o600)
         save_settings(d, s)
     except BaseException:
@@ -395,7 +408,7 @@ def add_device(root: Path, name: str, host: str | None = None) -> tuple[Path, bo
     bundle_dir = d.devices / name
     shutil.rmtree(bundle_dir, ignore_errors=True)
     bundle_dir.mkdir(mode=0o700)
-    agent = {"device": {"id": name}, "broker": client_config(s, dial, name, password)}
+    agent = agent_config(s, dial, name, password)
     _write(bundle_dir / "agent.json", json.dumps(agent, indent=2) + "\n", 0o600)
     shutil.copyfile(d.ca_crt, bundle_dir / "ca.crt")
     archive = d.devices / f"{name}.tar.gz"

@@ -38,9 +38,11 @@ class Broker:
     port: int
 
     def creds(self, name: str) -> tuple[str, str]:
-        path = self.dir / ("coordinator.json" if name == "coordinator" else f"devices/{name}/agent.json")
-        b = json.loads(path.read_text())["broker"]
-        return b["username"], b["password"]
+        if name == "coordinator":
+            c = json.loads((self.dir / "coordinator.json").read_text())
+            return c["username"], c["password"]
+        a = json.loads((self.dir / "devices" / name / "agent.json").read_text())["agent"]
+        return a["device_id"], a["password"]
 
 
 def free_port() -> int:

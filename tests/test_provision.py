@@ -47,8 +47,9 @@ def test_init_writes_a_tls_only_config(bdir: Path) -> None:
     assert verify.returncode == 0, verify.stderr
     assert (bdir / "ca.key").stat().st_mode & 0o077 == 0
     assert list(broker.read_passwd(bdir / "passwd")) == ["coordinator"]
-    coord = json.loads((bdir / "coordinator.json").read_text())["broker"]
-    assert (coord["username"], coord["host"], coord["port"]) == ("coordinator", "10.0.0.5", 8883)
+    coord = json.loads((bdir / "coordinator.json").read_text())
+    assert (coord["username"], coord["broker"]) == ("coordinator", "mqtts://10.0.0.5:8883")
+    assert coord["ca_file"] == str((bdir / "ca.crt").resolve())
 
 
 def test_loopback_only_binds_loopback(tmp_path: Path) -> None:
@@ -62,13 +63,13 @@ def test_add_device_bundle(bdir: Path, tmp_path: Path) -> None:
         assert sorted(tar.getnames()) == ["pi-01", "pi-01/agent.json", "pi-01/ca.crt"]
         tar.extractall(tmp_path / "x", filter="data")
     agent = json.loads((tmp_path / "x/pi-01/agent.json").read_text())
-    assert agent["device"] == {"id": "pi-01"}
-    b = agent["broker"]
-    assert (b["host"], b["port"], b["username"], b["tls"], b["ca_file"]) == ("coord.lan", 8883, "pi-01", True, "ca.crt")
+    a = agent["agent"]
+    assert list(agent) == ["agent"] and sorted(a) == ["broker", "ca_file", "device_id", "password"]
+    assert (a["device_id"], a["broker"], a["ca_file"]) == ("pi-01", "mqtts://coord.lan:8883", "ca.crt")
     assert (tmp_path / "x/pi-01/ca.crt").read_bytes() == (bdir / "ca.crt").read_bytes()
     stored = broker.read_passwd(bdir / "passwd")["pi-01"]
     salt = base64.b64decode(stored.split("$")[3])
-    assert broker.hash_password(b["password"], salt) == stored
+    assert broker.hash_password(a["password"], salt) == stored
     acl = (bdir / "acl").read_text()
     assert "user pi-01\ntopic read dropfl/v1/model/#\n" in acl
 
