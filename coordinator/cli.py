@@ -8,7 +8,8 @@ import sys
 
 from coordinator.errors import UserError
 
-SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision", "edge_client.agent"]
+SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision", "edge_client.agent",
+               "coordinator.cmd_field"]
 
 
 def build_parser() -> argparse.ArgumentParser:
