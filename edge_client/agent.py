@@ -70,7 +70,9 @@ class AgentError(Exception):
 class AgentSection:
     client: int = 0                        # client index = data shard (0..clients-1)
     device_id: str | None = None           # broker username / topic id (default: client-<client>)
-    broker: str = "mqtt://127.0.0.1:1883"
+    broker: str = "mqtt://127.0.0.1:1883"     # mqtts://HOST:PORT = TLS, server checked against ca_file
+    password: str | None = None                # broker password (username = device_id)
+    ca_file: str | None = None                 # CA certificate for mqtts:// (relative to the config file)
     heartbeat_s: float = 1.0
     keepalive_s: int = 10
     out: str | None = None                 # directory for trace.csv (default: agents/<device_id>)
@@ -147,14 +149,17 @@ def load_config(path: str) -> AgentConfig:
         d = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
         raise AgentError(f"--config: {path} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
-    return config_from_dict(d)
+    cfg = config_from_dict(d)
+    if cfg.agent.ca_file and not Path(cfg.agent.ca_file).is_absolute():
+        cfg.agent.ca_file = str(p.parent / cfg.agent.ca_file)
+    return cfg
 
 
 def broker_address(url: str) -> tuple[str, int]:
     u = urlparse(url if "://" in url else "mqtt://" + url)
-    if u.scheme not in ("mqtt", "tcp") or not u.hostname:
-        raise AgentError(f"broker {url!r}: expected mqtt://HOST[:PORT]")
-    return u.hostname, u.port or 1883
+    if u.scheme not in ("mqtt", "tcp", "mqtts") or not u.hostname:
+        raise AgentError(f"broker {url!r}: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
+    return u.hostname, u.port or (8883 if u.scheme == "mqtts" else 1883)
 
 
 def partition_kwargs(d: AgentData) -> dict:
@@ -231,7 +236,11 @@ class Agent:
     # --- MQTT plumbing (paho network thread) ---
     def _make_client(self) -> mqtt.Client:
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dropfl-{self.id}", clean_session=True)
-        c.username_pw_set(self.id)
+        c.username_pw_set(self.id, self.cfg.agent.password)
+        if self.cfg.agent.broker.startswith("mqtts://"):
+            if not self.cfg.agent.ca_file:
+                raise AgentError("broker mqtts://...: set ca_file (the broker's CA certificate)")
+            c.tls_set(ca_certs=self.cfg.agent.ca_file)
         c.will_set(f"{self.base}/status", self._status_frame("offline"), qos=1, retain=True)
         c.reconnect_delay_set(min_delay=0.2, max_delay=2)
         c.max_inflight_messages_set(100)
