@@ -163,8 +163,16 @@ def get_flat(model: nn.Module) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
+@torch.no_grad()
 def set_flat(model: nn.Module, flat: torch.Tensor) -> None:
-    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    """Copy a flat vector into the model's parameters (unlike torch's vector_to_parameters, which
+    makes the parameters views of the vector, so training would write into the caller's tensor)."""
+    i = 0
+    for p in model.parameters():
+        p.copy_(flat[i:i + p.numel()].view_as(p))
+        i += p.numel()
+    if i != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} values, the model {i} parameters")
 
 
 def dropout_layers(model: nn.Module) -> list[SeededDropout]:

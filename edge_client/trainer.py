@@ -72,7 +72,7 @@ def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: to
     start = time.perf_counter()
     gen = client_generator(task.seed, task.round, task.client)
     plan = batch_plan(len(y), task, gen)
-    set_flat(model, w_global.clone())  # set_flat makes the parameters views: train a copy, not w_global
+    set_flat(model, w_global)  # copies: w_global is never written
     model.train()
     for layer in dropout_layers(model):
         layer.generator = gen
