@@ -60,7 +60,7 @@ class Mosquitto:
         while b" running" not in seen:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([self.proc.stderr], [], [], max(left, 0))
-            line = self.proc.stderr.readline() if ready else b""
+            line = os.read(self.proc.stderr.fileno(), 4096) if ready else b""  # unbuffered: select stays true
             if not line:
                 self.stop()
                 raise UserError(f"mosquitto did not start on 127.0.0.1:{self.port}: {seen.decode(errors='replace')}")

@@ -1,0 +1,199 @@
+"""`dropfl trial`: a one-machine field trial. Starts a private mosquitto on a free loopback port (generated
+config in a temp directory), N edge agents with heterogeneous modelled batteries (each its own process
+group), and the coordinator; waits for the run; stops everything on Ctrl-C or error (no orphans).
+
+Run directory: the coordinator's (config.json, metrics.jsonl, participation.csv, field.jsonl,
+checkpoint.pt, model.pt, model.onnx) plus `agents/<id>/{agent.json,agent.log,trace.csv}`,
+`device_trace.csv` (every agent's own availability trace, docs/traces.md) and `coordinator.log`.
+Replay: `dropfl sim --availability replay --trace RUN/participation.csv` with the same options.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from coordinator import config
+from coordinator.errors import UserError
+
+PROFILES = ("steady", "low", "charger", "mains")
+
+
+def battery_profile(i: int, seed: int, kind: str) -> tuple[dict, dict]:
+    """(battery section, policy section) of agent i. Capacity 100 J, so 1 W drains 1 %/s: the
+    dynamics play out within seconds, as a short trial's rounds do.
+
+    steady:  60–100 %, slow drain, never plugged — usually available throughout.
+    low:     starts just above the 20 % minimum, drains 1–2 %/s, plugged in from 8 s to 14 s of every
+             20 s — drops out for `battery`, comes back after charging.
+    charger: policy requires charging; plugged 0–3 s of every 6 s — drops out for `charging`.
+    mains:   no battery, always available."""
+    rng = np.random.default_rng([seed, i, 0xBA7])
+    base = {"source": "model", "capacity_j": 100.0, "train_w": 20.0, "charge_w": 10.0}
+    if kind == "steady":
+        return base | {"start_pct": float(rng.uniform(60, 100)), "idle_w": float(rng.uniform(0.2, 0.5))}, {}
+    if kind == "low":
+        return base | {"start_pct": float(rng.uniform(22, 30)), "idle_w": float(rng.uniform(1, 2)),
+                       "plugged": [[8.0, 14.0]], "plug_period_s": 20.0}, {}
+    if kind == "charger":
+        return base | {"start_pct": float(rng.uniform(50, 90)), "idle_w": 0.5, "plugged": [[0.0, 3.0]],
+                       "plug_period_s": 6.0}, {"require_charging": True}
+    return {"source": "mains"}, {}
+
+
+def agent_config(cfg: config.SimConfig, i: int, broker: str, out: Path, profile: str, heartbeat_s: float,
+                 slowdown: float) -> dict:
+    battery, policy = battery_profile(i, cfg.run.seed, profile)
+    d = cfg.data
+    return {"agent": {"client": i, "broker": broker, "heartbeat_s": heartbeat_s, "out": str(out),
+                      "threads": 1, "slowdown_s_per_step": slowdown, "exit_when_done": True},
+            "data": {"dataset": d.dataset, "data_dir": d.data_dir, "partition": d.partition, "clients": d.clients,
+                     "shards_per_client": d.shards_per_client, "dirichlet_alpha": d.dirichlet_alpha,
+                     "seed": cfg.run.seed},
+            "model": {"model": cfg.model.model, "dropout": cfg.model.dropout},
+            "policy": {"min_battery_pct": 20.0} | policy, "battery": battery}
+
+
+def add_parser(sub) -> None:
+    from coordinator.strategies import STRATEGIES
+
+    p = sub.add_parser(
+        "trial", help="one-machine field trial: private mosquitto + coordinator + N edge agents",
+        description="Start a private mosquitto on a free 127.0.0.1 port, N edge agents with heterogeneous "
+                    "modelled batteries and the coordinator; run the rounds; stop everything on exit. "
+                    "Data, model, training and strategy options as in `dropfl sim` (--clients is --agents).")
+    config.add_arguments(p, list(STRATEGIES))
+    g = p.add_argument_group("trial")
+    g.add_argument("--agents", type=int, required=True, help="number of edge agents (= clients)")
+    g.add_argument("--profiles", default=",".join(PROFILES),
+                   help=f"battery profiles assigned round-robin, from {', '.join(PROFILES)} (default: all)")
+    g.add_argument("--deadline", type=float, default=30.0, help="per-round deadline in seconds (default: 30)")
+    g.add_argument("--heartbeat", type=float, default=0.5, help="agents' heartbeat period in seconds (default: 0.5)")
+    g.add_argument("--max-slowdown", type=float, default=0.0,
+                   help="emulated slow devices: agent i spends i/(N-1) times this many extra seconds per SGD step")
+    g.add_argument("--no-progress", action="store_true", help="no progress output")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from coordinator.strategies import STRATEGIES
+
+    if args.agents < 1:
+        raise UserError("--agents must be >= 1")
+    setattr(args, "data.clients", args.agents)
+    cfg = config.resolve(args, list(STRATEGIES))
+    profiles = [s.strip() for s in args.profiles.split(",") if s.strip()]
+    bad = [s for s in profiles if s not in PROFILES]
+    if bad or not profiles:
+        raise UserError(f"--profiles: unknown profile(s) {bad} (choose from {', '.join(PROFILES)})")
+    out = Path(cfg.run.out or f"runs/trial-{cfg.strategy.algo}-{cfg.data.dataset}-a{args.agents}-s{cfg.run.seed}")
+    cfg.run.out = str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = run_trial(cfg, out, profiles, args.deadline, args.heartbeat, args.max_slowdown, not args.no_progress)
+    print(summary)
+    return 0
+
+
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after timeout_s."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+    try:  # children of the group that outlived their leader
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s: float, heartbeat_s: float,
+              max_slowdown: float, progress: bool) -> str:
+    from coordinator.broker import Mosquitto
+
+    n = cfg.data.clients
+    procs: list[subprocess.Popen] = []
+    logs = []
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    py = [sys.executable, "-m", "coordinator.cli"]
+    try:
+        with tempfile.TemporaryDirectory(prefix="dropfl-trial-") as tmp, Mosquitto(workdir=tmp) as broker:
+            for i in range(n):
+                adir = out / "agents" / f"client-{i}"
+                adir.mkdir(parents=True, exist_ok=True)
+                slow = max_slowdown * i / max(n - 1, 1)
+                ac = agent_config(cfg, i, broker.url, adir, profiles[i % len(profiles)], heartbeat_s, slow)
+                (adir / "agent.json").write_text(json.dumps(ac, indent=2) + "\n")
+                logs.append(open(adir / "agent.log", "w"))
+                procs.append(subprocess.Popen(py + ["client", "--config", str(adir / "agent.json")],
+                                              stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+            trial_cfg = out / "trial-config.json"
+            trial_cfg.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            logs.append(open(out / "coordinator.log", "w"))
+            cmd = py + ["coordinator", "--config", str(trial_cfg), "--broker", broker.url, "--out", str(out),
+                        "--deadline", str(deadline_s), "--heartbeat-timeout", str(max(10 * heartbeat_s, 5.0))]
+            coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
+                                     stderr=None if progress else subprocess.STDOUT, start_new_session=True)
+            procs.append(coord)
+            rc = coord.wait()
+            if rc != 0:
+                raise UserError(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}")
+            for p in procs[:-1]:  # agents exit on the coordinator's "finished"; give them a moment
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+    finally:
+        for p in procs:
+            _stop_group(p)
+        for f in logs:
+            f.close()
+        signal.signal(signal.SIGTERM, old)
+    merge_traces(out)
+    return summarize(out)
+
+
+def merge_traces(out: Path) -> Path:
+    """All agents' own traces in one device-trace CSV (docs/traces.md), ordered by device then time."""
+    rows = []
+    for p in sorted((out / "agents").glob("*/trace.csv")):
+        with open(p, newline="") as f:
+            rows.extend(csv.DictReader(f))
+    dest = out / "device_trace.csv"
+    with open(dest, "w", newline="") as f:
+        w = csv.DictWriter(f, ["device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps"])
+        w.writeheader()
+        w.writerows(rows)
+    return dest
+
+
+def summarize(out: Path) -> str:
+    from coordinator.participation import read_rows
+
+    counts: dict[str, int] = {}
+    for r in read_rows(out / "participation.csv"):
+        key = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
+        counts[key] = counts.get(key, 0) + 1
+    rounds = [json.loads(line) for line in open(out / "field.jsonl") if '"event": "round"' in line]
+    over = sorted(r["overhead_s"] for r in rounds if r.get("overhead_s") is not None)
+    lines = [f"run directory: {out}", "participation: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
+    if over:
+        lines.append(f"round overhead (wall time − slowest participant's download+train+upload): median "
+                     f"{1000 * over[len(over) // 2]:.1f} ms, max {1000 * over[-1]:.1f} ms over {len(over)} rounds")
+    return "\n".join(lines)
