@@ -114,6 +114,13 @@ class StrategyConfig:
 
 
 @dataclass
+class ClockConfig:
+    profile: str | None = opt(None, "virtual clock: per-client compute s/step and up/down bytes/s, JSON or CSV "
+                                    "(coordinator/clock.py, docs/feddd.md); adds virtual round time (eq. 12) "
+                                    "to the metrics", flag="--clock-profile")
+
+
+@dataclass
 class RunConfig:
     rounds: int = opt(200, "communication rounds T")
     seed: int = opt(0, "seed for partition, model init, availability and training")
@@ -130,6 +137,7 @@ class SimConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     availability: AvailabilityConfig = field(default_factory=AvailabilityConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    clock: ClockConfig = field(default_factory=ClockConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:

@@ -93,6 +93,9 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         row = {"round": t, "lr": lr, "uploads": counters["uploads"], "client_uploads": counters["client_uploads"],
                "available": int(avail.available.sum()), "selected": len(selected), "participants": len(updates),
                "train_loss": _mean([u.loss for u in updates.values()])}
+        for key, v in (transport.round_stats() if hasattr(transport, "round_stats") else {}).items():
+            counters[key] = counters.get(key, 0.0) + v  # what the transport measured: bytes, virtual round time
+            row[key], row[key + "_total"] = v, counters[key]
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
             row["accuracy"], row["loss"] = evaluate(w)
         row["seconds"] = time.perf_counter() - tick

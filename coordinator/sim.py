@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from coordinator import availability as av
+from coordinator.clock import Profile, SimClients, load_profile
 from coordinator.config import SimConfig
 from coordinator.errors import UserError
 from coordinator.loop import LoopConfig, run_rounds
@@ -22,20 +23,30 @@ class SimTransport:
     the same `local_train` the edge agent runs. Every selected client's update arrives."""
 
     def __init__(self, model: torch.nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
-                 engine: str = "loop"):
+                 engine: str = "loop", profile: Profile | None = None, num_classes: int | None = None):
         self.model, self.client_data, self.engine = model, client_data, engine
+        self.clients = SimClients(model, profile, num_classes)  # FedDD masks and the virtual clock
+        self.stats: dict[str, float] = {}
 
     def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]):
         updates = {}
         for task in tasks:
             x, y = self.client_data[task.client]
+            if task.dropout_rate is not None or self.clients.profile is not None:
+                updates[task.client] = self.clients.run(w, x, y, task)  # coordinator/clock.py
+                continue
             # edge_client.models.set_flat (vector_to_parameters) makes the parameters VIEWS of the vector it
             # is given, so training wrote into the global w and r.delta was always 0: pass a copy, and take
             # the delta from the trained parameters (correct whether or not set_flat copies).
             r = local_train(self.model, w.clone(), x, y, task)
             delta = w - get_flat(self.model)
             updates[task.client] = ClientUpdate(task.client, delta, r.num_samples, r.steps, task.lr, r.loss)
+        self.stats = self.clients.round_stats(updates)
         return updates, {}
+
+    def round_stats(self) -> dict[str, float]:
+        """This round's bytes and, with a profile, virtual round time (eq. 12), for the metrics."""
+        return self.stats
 
 
 def build_availability(cfg: SimConfig):
@@ -112,7 +123,8 @@ def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = Tru
                       steps=t.steps, eval_every=cfg.run.eval_every, checkpoint_every=cfg.run.checkpoint_every)
     eval_model = build_model(cfg.model.model, tuple(ds.train.x.shape[1:]), ds.num_classes, cfg.run.seed,
                              cfg.model.dropout)
-    transport = SimTransport(model, client_data, t.engine)
+    profile = load_profile(cfg.clock.profile, cfg.data.clients) if cfg.clock.profile else None
+    transport = SimTransport(model, client_data, t.engine, profile, ds.num_classes)
     w = run_rounds(loop, strategy, availability, transport,
                    lambda w: evaluate(eval_model, w, ds.test.x, ds.test.y), rundir, get_flat(model),
                    resume=resume, progress=progress)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edge_client.models import get_flat
 from edge_client.trainer import LocalResult, TrainTask, local_train
 
 MAGIC = b"FDS1"
@@ -200,7 +201,7 @@ def merge_download(memory: Memory, layout: Layout, w_global: torch.Tensor) -> to
 
 @dataclass
 class FedDDResult:
-    result: LocalResult            # local training, `delta` relative to the start point
+    result: LocalResult            # local training (loss, steps, seconds)
     delta: torch.Tensor            # w_global − Ŵ on the uploaded coordinates, 0 elsewhere
     mask: torch.Tensor             # flat bool mask M_n
     upload_bytes: int              # sparse payload bytes
@@ -219,8 +220,8 @@ def client_round(model: nn.Module, layout: Layout, w_global: torch.Tensor, x: to
     sparse = bool(task.sparse_download) and memory is not None and memory.round == task.round - 1
     start = merge_download(memory, layout, w_global) if sparse else w_global
     down = sparse_nbytes(layout, memory.masks) if sparse else dense_nbytes(layout)
-    r = local_train(model, start, x, y, task)
-    w_hat = start - r.delta
+    r = local_train(model, start.clone(), x, y, task)  # a copy: set_flat makes the parameters views of it
+    w_hat = get_flat(model)
     masks = select_upload(layout, start, w_hat, float(task.dropout_rate), coverage)
     mask = flat_mask(layout, masks)
     delta = torch.where(mask, w_global - w_hat, torch.zeros_like(w_hat))

@@ -133,9 +133,12 @@ def test_client_round_uploads_masked_delta_and_keeps_memory():
     x, y = torch.randn(8, 2, generator=g), torch.tensor([0, 1] * 4)
     w = get_flat(model)
     task = TrainTask(client=0, round=0, lr=0.5, batch_size=4, dropout_rate=0.5)
+    w_before = w.clone()
     out, mem = feddd.client_round(model, lay, w, x, y, task, None)
-    w_hat = w - out.result.delta
+    w_hat = get_flat(model)
+    assert torch.equal(w, w_before)  # the global model is not trained in place
     assert out.mask.sum() == 10 and not out.sparse_download and out.download_bytes == 68
+    assert (out.delta[out.mask] != 0).all()
     assert torch.equal(out.delta[out.mask], (w - w_hat)[out.mask]) and not out.delta[~out.mask].any()
     assert out.upload_bytes == 53 and mem.round == 0 and torch.equal(mem.w_local, w_hat)
     # next round, sparse download: starts from eq. (5) and pays for 10 values, not 17

@@ -1,0 +1,150 @@
+"""Virtual clock for simulation: per-client rates from a profile, round time by FedDD eq. (12).
+
+A profile gives, for every client 0..N-1, its compute speed and link rates:
+
+    JSON: {"clients": [{"client": 0, "compute_s_per_step": 0.02, "up_Bps": 250000, "down_Bps": 1000000}, ...]}
+    CSV:  client,compute_s_per_step,up_Bps,down_Bps      (one row per client)
+
+With a profile, a simulated client's round takes (eqs. 7, 9, 11)
+    t_n = download_bytes / down_Bps + steps · compute_s_per_step + upload_bytes / up_Bps
+with the bytes that really travel (dense float32 model, or the FedDD sparse payload), and the round
+takes max_n t_n over the clients that took part (eq. 12). Each update carries these as a
+`ClientReport`, as if the client had measured them, so FedDD and FedCS see "measured" rates.
+
+`python -m coordinator.clock table4 --clients 100 --out profile.json` draws a profile from the FedDD
+paper's Table 4 ranges (uniform per client): f ∈ [1, 10] GHz, c ∈ [1, 10] Mcycles/sample (so
+compute_s_per_step = B · c / f), r^u ∈ [1, 5] kbit/s, r^d ∈ [40, 200] kbit/s (stored in bytes/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from coordinator.errors import UserError
+from coordinator.strategies.base import ClientUpdate
+from edge_client import feddd
+from edge_client.models import get_flat
+from edge_client.report import ClientReport
+from edge_client.trainer import TrainTask, local_train
+
+FIELDS = ("compute_s_per_step", "up_Bps", "down_Bps")
+
+
+@dataclass(frozen=True)
+class Profile:
+    compute_s_per_step: np.ndarray
+    up_Bps: np.ndarray
+    down_Bps: np.ndarray
+
+    def to_json(self) -> dict:
+        return {"clients": [{"client": i, **{k: float(getattr(self, k)[i]) for k in FIELDS}}
+                            for i in range(len(self.up_Bps))]}
+
+
+def load_profile(path: str | Path, n_clients: int) -> Profile:
+    """Read a JSON or CSV profile; every client 0..n_clients-1 must be there with positive finite rates."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UserError(f"--clock-profile: cannot read {path}: {e.strerror}") from None
+    try:
+        rows = json.loads(text)["clients"] if p.suffix == ".json" else list(csv.DictReader(text.splitlines()))
+        table = {int(r["client"]): [float(r[k]) for k in FIELDS] for r in rows}
+    except (KeyError, ValueError, TypeError) as e:
+        raise UserError(f"--clock-profile: {path} is not a profile (client + {', '.join(FIELDS)}): {e!r}") from None
+    missing = [i for i in range(n_clients) if i not in table]
+    if missing:
+        raise UserError(f"--clock-profile: {path} has no row for clients {missing[:5]} (needs 0..{n_clients - 1})")
+    a = np.array([table[i] for i in range(n_clients)], dtype=float)
+    if not np.isfinite(a).all() or (a[:, 1:] <= 0).any() or (a[:, 0] < 0).any():
+        raise UserError(f"--clock-profile: {path}: rates must be finite and > 0, compute_s_per_step >= 0")
+    return Profile(a[:, 0], a[:, 1], a[:, 2])
+
+
+def table4_profile(n_clients: int, seed: int, batch_size: int) -> Profile:
+    """FedDD Table 4 ranges, drawn uniformly and independently per client."""
+    rng = np.random.default_rng(seed)
+    f_hz = rng.uniform(1e9, 10e9, n_clients)
+    c_cycles = rng.uniform(1e6, 10e6, n_clients)
+    return Profile(batch_size * c_cycles / f_hz, rng.uniform(1e3, 5e3, n_clients) / 8,
+                   rng.uniform(4e4, 2e5, n_clients) / 8)
+
+
+class SimClients:
+    """The simulated devices' side of a round when the task asks for FedDD (`task.dropout_rate`) or a
+    profile drives a virtual clock: trains, applies Algorithm 2's mask, keeps each client's eq. (5)
+    memory, and reports compute time, rates and bytes. `round_stats` gives eq. (12)'s round time."""
+
+    def __init__(self, model: torch.nn.Module, profile: Profile | None = None, num_classes: int | None = None):
+        self.model, self.profile, self.num_classes = model, profile, num_classes
+        self.layout = feddd.unit_layout(model)
+        self.memory: dict[int, feddd.Memory] = {}
+
+    def run(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, task: TrainTask) -> ClientUpdate:
+        mask = None
+        if task.dropout_rate is not None:
+            out, self.memory[task.client] = feddd.client_round(self.model, self.layout, w, x, y, task,
+                                                               self.memory.get(task.client))
+            r, delta, mask, up, down = out.result, out.delta, out.mask, out.upload_bytes, out.download_bytes
+        else:
+            r = local_train(self.model, w.clone(), x, y, task)   # a copy: set_flat makes parameters views of it
+            delta, up = w - get_flat(self.model), feddd.dense_nbytes(self.layout)
+            down = up
+        report = ClientReport(compute_s=r.seconds, upload_bytes=up, download_bytes=down,
+                              label_score=feddd.label_score(y, self.num_classes) if self.num_classes else None)
+        if self.profile is not None:
+            i = task.client
+            report.compute_s = r.steps * float(self.profile.compute_s_per_step[i])
+            report.up_Bps, report.down_Bps = float(self.profile.up_Bps[i]), float(self.profile.down_Bps[i])
+        return ClientUpdate(task.client, delta, r.num_samples, r.steps, task.lr, r.loss, mask=mask, report=report)
+
+    def round_stats(self, updates: dict[int, ClientUpdate]) -> dict[str, float]:
+        """Bytes moved this round and, with a profile, the virtual round time (eq. 12)."""
+        reports = [u.report for u in updates.values() if u.report is not None]
+        if not reports:
+            return {}
+        stats = {"upload_bytes": float(sum(r.upload_bytes or 0 for r in reports)),
+                 "download_bytes": float(sum(r.download_bytes or 0 for r in reports))}
+        if self.profile is not None:
+            stats["virtual_s"] = max((client_seconds(r) for r in reports), default=0.0)
+        return stats
+
+
+def client_seconds(r: ClientReport) -> float:
+    """FedDD eqs. (7), (9), (11): t^d + t^cmp + t^u of one client's round."""
+    return r.download_bytes / r.down_Bps + r.compute_s + r.upload_bytes / r.up_Bps
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m coordinator.clock", description="Write a virtual-clock profile.")
+    p.add_argument("kind", choices=["table4"], help="table4: the FedDD paper's simulation ranges")
+    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16, help="samples per SGD step (compute_s_per_step = B·c/f)")
+    p.add_argument("--out", required=True, help="profile file (.json or .csv)")
+    a = p.parse_args(argv)
+    prof = table4_profile(a.clients, a.seed, a.batch_size)
+    out = Path(a.out)
+    if out.suffix == ".json":
+        out.write_text(json.dumps(prof.to_json(), indent=1) + "\n")
+    else:
+        with out.open("w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(("client",) + FIELDS)
+            for row in prof.to_json()["clients"]:
+                wr.writerow([row["client"]] + [repr(row[k]) for k in FIELDS])
+    print(f"wrote {out}: {a.clients} clients, uplink {math.floor(prof.up_Bps.min())}-"
+          f"{math.ceil(prof.up_Bps.max())} B/s")
+
+
+if __name__ == "__main__":
+    main()
