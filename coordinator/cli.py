@@ -9,7 +9,7 @@ import sys
 from coordinator.errors import UserError
 
 SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision", "edge_client.agent",
-               "coordinator.cmd_field",
+               "coordinator.cmd_field", "coordinator.cmd_report",
                "coordinator.cmd_trial"]
 
 

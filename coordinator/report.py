@@ -1,0 +1,238 @@
+"""Compare run directories: accuracy against uploads, who took part when (and why not), and a table.
+
+Reads only what a run directory holds (config.json, metrics.jsonl, participation.csv; docs/run-directory.md)
+and writes PNGs (matplotlib, Agg backend: no display needed) and Markdown.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.errors import UserError
+from coordinator.participation import FIELDS, STATUSES
+
+# raster colours: participated / not selected, then one colour per reason (unavailable: blues and greys,
+# dropped: reds and oranges)
+STATUS_COLOURS = {"participated": "#2ca02c", "not_selected": "#d9d9d9"}
+UNAVAILABLE_COLOURS = ["#1f77b4", "#9467bd", "#17becf", "#7f7f7f", "#aec7e8", "#c5b0d5", "#8c564b", "#bcbd22"]
+DROPPED_COLOURS = ["#d62728", "#ff7f0e", "#e377c2", "#ff9896", "#ffbb78"]
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    config: dict
+    metrics: list[dict]
+    participation: list[dict] = field(default_factory=list)
+
+    @property
+    def algo(self) -> str:
+        return self.config.get("strategy", {}).get("algo", "?")
+
+    @property
+    def availability(self) -> str:
+        return self.config.get("availability", {}).get("kind", "?")
+
+    def evaluated(self) -> list[dict]:
+        return [r for r in self.metrics if r.get("accuracy") is not None]
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    p = Path(path)
+    if not (p / "metrics.jsonl").exists():
+        raise UserError(f"{p}: not a run directory (no metrics.jsonl)")
+    try:
+        config = json.loads((p / "config.json").read_text()) if (p / "config.json").exists() else {}
+        metrics = [json.loads(line) for line in (p / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}: unreadable JSON ({e})") from None
+    rows = []
+    part = p / "participation.csv"
+    if part.exists():
+        with open(part, newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None or not set(FIELDS) <= set(reader.fieldnames):
+                raise UserError(f"{part}: not a participation log (need columns {', '.join(FIELDS)})")
+            rows = list(reader)
+    return Run(name or p.name, p, config, metrics, rows)
+
+
+def load_runs(paths: list[str]) -> list[Run]:
+    runs = [load_run(p) for p in paths]
+    seen: dict[str, int] = {}
+    for r in runs:  # two directories with the same base name: qualify with the parent directory
+        seen[r.name] = seen.get(r.name, 0) + 1
+    for r in runs:
+        if seen[r.name] > 1:
+            r.name = f"{r.path.parent.name}/{r.path.name}"
+    return runs
+
+
+def summary(run: Run) -> dict:
+    """Final and best accuracy (%), uploads, and participants per round of one run."""
+    ev = run.evaluated()
+    last = run.metrics[-1] if run.metrics else {}
+    parts = [r["participants"] for r in run.metrics if "participants" in r]
+    return {
+        "run": run.name, "algo": run.algo, "availability": run.availability,
+        "rounds": len(run.metrics),
+        "final_acc": 100 * ev[-1]["accuracy"] if ev else None,
+        "best_acc": 100 * max(r["accuracy"] for r in ev) if ev else None,
+        "uploads": last.get("uploads"), "client_uploads": last.get("client_uploads"),
+        "participants_mean": float(np.mean(parts)) if parts else None,
+        "participants_min": min(parts) if parts else None,
+        "participants_max": max(parts) if parts else None,
+    }
+
+
+def _fmt(v, digits: int = 2) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def comparison_table(runs: list[Run]) -> str:
+    """Markdown table, one row per run."""
+    head = ("| run | algorithm | availability | rounds | final acc. (%) | best acc. (%) | uploads | client uploads "
+            "| participants / round (mean [min, max]) |")
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in runs:
+        s = summary(r)
+        part = (f"{s['participants_mean']:.1f} [{s['participants_min']}, {s['participants_max']}]"
+                if s["participants_mean"] is not None else "–")
+        lines.append(f"| {s['run']} | {s['algo']} | {s['availability']} | {s['rounds']} | {_fmt(s['final_acc'])} "
+                     f"| {_fmt(s['best_acc'])} | {_fmt(s['uploads'])} | {_fmt(s['client_uploads'])} | {part} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def accuracy_plot(curves: dict[str, tuple[list[float], list[float]]], out: Path, title: str = "",
+                  xlabel: str = "model uploads") -> Path:
+    """One line per name: (uploads, accuracy in %)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (x, y) in curves.items():
+        ax.plot(x, y, label=name, linewidth=1.4)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def run_curve(run: Run) -> tuple[list[float], list[float]]:
+    ev = run.evaluated()
+    return [r["uploads"] for r in ev], [100 * r["accuracy"] for r in ev]
+
+
+def raster_codes(run: Run, n_clients: int | None = None) -> tuple[np.ndarray, list[str]]:
+    """[clients, rounds] integer codes into `labels` ("participated", "not_selected",
+    "unavailable: battery", "dropped: deadline", ...); -1 where the log has no row."""
+    rows = run.participation
+    if not rows:
+        raise UserError(f"{run.path}: no participation.csv")
+    try:
+        parsed = [(int(r["round"]), int(r["client"]), r["status"], r["reason"] or "") for r in rows]
+    except (TypeError, ValueError):
+        raise UserError(f"{run.path}/participation.csv: a row has a non-integer round or client") from None
+    n = n_clients or 1 + max(c for _, c, _, _ in parsed)
+    rounds = 1 + max(t for t, _, _, _ in parsed)
+    labels: list[str] = []
+    index: dict[str, int] = {}
+    codes = np.full((n, rounds), -1, dtype=np.int32)
+    for t, c, status, reason in parsed:
+        if status not in STATUSES:
+            raise UserError(f"{run.path}/participation.csv: unknown status {status!r} in round {t}")
+        label = status if status in STATUS_COLOURS else f"{status}: {reason or '?'}"
+        if label not in index:
+            index[label] = len(labels)
+            labels.append(label)
+        codes[c, t] = index[label]
+    return codes, labels
+
+
+def label_colours(labels: list[str]) -> list[str]:
+    un, dr = iter(UNAVAILABLE_COLOURS * 4), iter(DROPPED_COLOURS * 4)
+    out = []
+    for lab in labels:
+        if lab in STATUS_COLOURS:
+            out.append(STATUS_COLOURS[lab])
+        else:
+            out.append(next(dr) if lab.startswith("dropped") else next(un))
+    return out
+
+
+def participation_raster(run: Run, out: Path) -> Path:
+    """Clients × rounds image, one colour per status (and reason, for absent clients)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    codes, labels = raster_codes(run)
+    order = sorted(range(len(labels)), key=lambda i: (labels[i] != "participated", labels[i] != "not_selected",
+                                                      labels[i]))
+    remap = np.full(len(labels) + 1, -1)
+    for new, old in enumerate(order):
+        remap[old] = new
+    codes = np.where(codes >= 0, remap[codes], -1)
+    labels = [labels[i] for i in order]
+    colours = label_colours(labels)
+    img = np.ma.masked_less(codes, 0)
+    n, rounds = codes.shape
+    fig, ax = plt.subplots(figsize=(min(14, 4 + rounds / 15), min(10, 2.5 + n / 12)))
+    cmap = ListedColormap(colours).with_extremes(bad="white")
+    ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=len(labels) - 0.5,
+              origin="lower")
+    ax.set_xlabel("round")
+    ax.set_ylabel("client")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(f"participation: {run.name}")
+    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(colours, labels)],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def write_report(runs: list[Run], out_dir: str | Path) -> dict[str, Path]:
+    """accuracy_vs_uploads.png, participation-<run>.png per run, comparison.md (table + image links)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    files["accuracy"] = accuracy_plot({r.name: run_curve(r) for r in runs}, out / "accuracy_vs_uploads.png",
+                                      "test accuracy against model uploads")
+    rasters = []
+    for r in runs:
+        if r.participation:
+            safe = r.name.replace("/", "_")
+            files[f"raster:{r.name}"] = participation_raster(r, out / f"participation-{safe}.png")
+            rasters.append((r.name, f"participation-{safe}.png"))
+    table = comparison_table(runs)
+    md = ["# Run comparison", "", table, "![accuracy against uploads](accuracy_vs_uploads.png)", ""]
+    for name, png in rasters:
+        md += [f"## Participation: {name}", "", f"![participation of {name}]({png})", ""]
+    (out / "comparison.md").write_text("\n".join(md))
+    files["table"] = out / "comparison.md"
+    return files
