@@ -13,6 +13,8 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
+import tarfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
 from coordinator.cli import main as dropfl
+from edge_client import wire
 
 MOSQUITTO = shutil.which("mosquitto") or shutil.which("/usr/sbin/mosquitto")
 pytestmark = [pytest.mark.mosquitto,
@@ -56,7 +59,7 @@ def brk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     root = tmp_path_factory.mktemp("broker") / "b"
     port = free_port()
     assert dropfl(["provision", "init", str(root), "--port", str(port)]) == 0
-    for name in ("pi-a", "pi-b", "pi-c"):
+    for name in ("pi-a", "pi-b", "pi-c", "pi-d"):
         assert dropfl(["provision", "add-device", name, "--dir", str(root)]) == 0
     proc = subprocess.Popen([MOSQUITTO, "-c", str(root / "mosquitto.conf")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -267,3 +270,34 @@ def test_revoked_device_refused(brk: Broker, login, clients: list[Client]) -> No
     assert rc.is_failure and rc.getName() == "Not authorized"
     assert not (brk.dir / "devices" / "pi-c.tar.gz").exists()
     assert "pi-c" not in (brk.dir / "acl").read_text()
+
+
+def test_bundle_lets_dropfl_client_connect_over_tls(brk: Broker, login, tmp_path: Path) -> None:
+    """The bundle as add-device wrote it (agent.json + ca.crt, ca_file relative), plus a trial's data
+    and model sections, is enough for `dropfl client` to log in over TLS and announce itself."""
+    with tarfile.open(brk.dir / "devices" / "pi-d.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    cfg = json.loads((tmp_path / "pi-d" / "agent.json").read_text())
+    cfg["agent"] |= {"client": 0, "out": str(tmp_path / "out"), "heartbeat_s": 0.2}
+    cfg |= {"data": {"dataset": "fmnist", "partition": "iid", "clients": 2}, "model": {"model": "logreg"}}
+    config = tmp_path / "pi-d" / "agent.json"
+    config.write_text(json.dumps(cfg))
+
+    coord = login("coordinator")
+    assert not coord.subscribe("dropfl/v1/device/pi-d/#").is_failure
+    agent = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "client", "--config", str(config)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen: dict[str, dict] = {}
+        while not {"status", "heartbeat"} <= set(seen):
+            try:
+                m = coord.messages.get(timeout=60)  # the agent loads torch and its shard first
+            except queue.Empty:
+                agent.kill()
+                pytest.fail("no status/heartbeat from the agent:\n" + agent.communicate()[1][-2000:])
+            header, _ = wire.decode_frame(m.payload)
+            seen[m.topic.rsplit("/", 1)[1]] = header.meta
+        assert seen["status"]["state"] == "online" and seen["status"]["device"] == "pi-d"
+    finally:
+        agent.terminate()
+        agent.wait(WAIT)
