@@ -94,7 +94,7 @@ def _interrupt(signum, frame):
 def run_field(cfg: config.SimConfig, fc, rundir: RunDir, resume: bool = False, progress: bool = True) -> torch.Tensor:
     from coordinator.loop import LoopConfig, run_rounds
     from coordinator.sim import build_strategy
-    from coordinator.transport_mqtt import FieldAvailability, FieldHub, MqttTransport, log
+    from coordinator.transport_mqtt import FieldAvailability, FieldHub, MqttTransport, export_onnx, log
     from edge_client import datasets
     from edge_client.models import build_model, get_flat, num_params, set_flat
     from edge_client.trainer import evaluate
@@ -131,6 +131,7 @@ def run_field(cfg: config.SimConfig, fc, rundir: RunDir, resume: bool = False, p
                        resume=resume, progress=progress)
         set_flat(eval_model, w)
         rundir.save_model(eval_model)
+        rundir.file("model.onnx").write_bytes(export_onnx(eval_model, w, shape))  # the final model, too
         finished = True
         return w
     finally:

@@ -24,7 +24,8 @@ import numpy as np
 from coordinator import config
 from coordinator.errors import UserError
 
-PROFILES = ("steady", "low", "charger", "mains")
+PROFILES = ("steady", "low", "charger", "mains", "flat")
+DEFAULT_PROFILES = ("steady", "low", "charger", "mains")
 
 
 def battery_profile(i: int, seed: int, kind: str) -> tuple[dict, dict]:
@@ -35,7 +36,8 @@ def battery_profile(i: int, seed: int, kind: str) -> tuple[dict, dict]:
     low:     starts just above the 20 % minimum, drains 1–2 %/s, plugged in from 8 s to 14 s of every
              20 s — drops out for `battery`, comes back after charging.
     charger: policy requires charging; plugged 0–3 s of every 6 s — drops out for `charging`.
-    mains:   no battery, always available."""
+    mains:   no battery, always available.
+    flat:    5 %, never plugged — never available (`battery`); a known dropout for tests."""
     rng = np.random.default_rng([seed, i, 0xBA7])
     base = {"source": "model", "capacity_j": 100.0, "train_w": 20.0, "charge_w": 10.0}
     if kind == "steady":
@@ -46,6 +48,8 @@ def battery_profile(i: int, seed: int, kind: str) -> tuple[dict, dict]:
     if kind == "charger":
         return base | {"start_pct": float(rng.uniform(50, 90)), "idle_w": 0.5, "plugged": [[0.0, 3.0]],
                        "plug_period_s": 6.0}, {"require_charging": True}
+    if kind == "flat":
+        return base | {"start_pct": 5.0, "idle_w": 0.0}, {}
     return {"source": "mains"}, {}
 
 
@@ -73,8 +77,9 @@ def add_parser(sub) -> None:
     config.add_arguments(p, list(STRATEGIES))
     g = p.add_argument_group("trial")
     g.add_argument("--agents", type=int, required=True, help="number of edge agents (= clients)")
-    g.add_argument("--profiles", default=",".join(PROFILES),
-                   help=f"battery profiles assigned round-robin, from {', '.join(PROFILES)} (default: all)")
+    g.add_argument("--profiles", default=",".join(DEFAULT_PROFILES),
+                   help=f"battery profiles assigned round-robin, from {', '.join(PROFILES)} "
+                        f"(default: {','.join(DEFAULT_PROFILES)})")
     g.add_argument("--deadline", type=float, default=30.0, help="per-round deadline in seconds (default: 30)")
     g.add_argument("--heartbeat", type=float, default=0.5, help="agents' heartbeat period in seconds (default: 0.5)")
     g.add_argument("--max-slowdown", type=float, default=0.0,

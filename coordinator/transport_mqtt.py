@@ -273,7 +273,9 @@ class FieldHub:
 
     # --- queries (loop thread, under cond) ---
     def is_online(self, a: AgentInfo, now: float) -> bool:
-        return a.online and now - a.last_heartbeat <= self.cfg.heartbeat_timeout_s
+        """Announced online, heard from within the heartbeat timeout, and at least one heartbeat seen
+        (it carries the agent's availability)."""
+        return a.online and bool(a.heartbeat) and now - a.last_heartbeat <= self.cfg.heartbeat_timeout_s
 
     def client_status(self, c: int, now: float) -> str | None:
         """None if client c may take part now, else the reason."""

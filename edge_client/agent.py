@@ -216,6 +216,7 @@ class Agent:
         self.inbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.connected = threading.Event()
+        self._beat_now = threading.Event()
         self.t0 = time.monotonic()
         self.weights: tuple[str, int, torch.Tensor, float] | None = None  # run, round, w, download_s
         self.onnx: tuple[str, int, bytes] | None = None
@@ -263,6 +264,7 @@ class Agent:
                           (f"{TOPIC_ROOT}/coordinator/status", 1)])
         client.publish(f"{self.base}/status", self._status_frame("online"), qos=1, retain=True)
         self.connected.set()
+        self._beat_now.set()  # a heartbeat right away: it tells the coordinator whether we can train
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
@@ -278,6 +280,7 @@ class Agent:
 
     def stop(self) -> None:
         self.stopping.set()
+        self._beat_now.set()
         self.inbox.put(None)
 
     def run(self) -> None:
@@ -295,6 +298,7 @@ class Agent:
 
     def shutdown(self) -> None:
         self.stopping.set()
+        self._beat_now.set()
         self._hb_thread.join(timeout=5)
         if self.connected.is_set():
             info = self.mqtt.publish(f"{self.base}/status", self._status_frame("offline"), qos=1, retain=True)
@@ -422,7 +426,8 @@ class Agent:
     def _heartbeats(self) -> None:
         while not self.stopping.is_set():
             self.heartbeat()
-            self.stopping.wait(self.cfg.agent.heartbeat_s)
+            self._beat_now.wait(self.cfg.agent.heartbeat_s)
+            self._beat_now.clear()
 
     def heartbeat(self) -> None:
         t = self.now()
