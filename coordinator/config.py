@@ -57,7 +57,9 @@ class TrainConfig:
     batch_size: int = opt(16, "local mini-batch size B")
     epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)")
     steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)")
-    engine: str = opt("loop", "simulation engine: loop = reference per-client loop", ["loop"])
+    engine: str = opt("loop", "simulation engine: loop = reference per-client loop, batched = a round's clients "
+                              "as one computation on 2 worker processes, same weights (docs/engine.md)",
+                      ["loop", "batched"])
 
 
 @dataclass

@@ -27,20 +27,23 @@ class SimTransport:
         self.model, self.client_data, self.engine = model, client_data, engine
         self.clients = SimClients(model, profile, num_classes)  # FedDD masks and the virtual clock
         self.stats: dict[str, float] = {}
+        self.batched = None
+        if engine == "batched":  # coordinator/engine_batched.py: a round's clients as one computation
+            from coordinator.engine_batched import BatchedEngine
+            self.batched = BatchedEngine(model, client_data)
 
     def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]):
-        updates = {}
+        updates, done = {}, {}
+        if self.batched is not None and self.clients.profile is None:  # FedDD tasks stay on the loop
+            plain = [task for task in tasks if task.dropout_rate is None]
+            done = {task.client: r for task, r in zip(plain, self.batched.run(w, plain))}
         for task in tasks:
             x, y = self.client_data[task.client]
             if task.dropout_rate is not None or self.clients.profile is not None:
                 updates[task.client] = self.clients.run(w, x, y, task)  # coordinator/clock.py
                 continue
-            # edge_client.models.set_flat (vector_to_parameters) makes the parameters VIEWS of the vector it
-            # is given, so training wrote into the global w and r.delta was always 0: pass a copy, and take
-            # the delta from the trained parameters (correct whether or not set_flat copies).
-            r = local_train(self.model, w.clone(), x, y, task)
-            delta = w - get_flat(self.model)
-            updates[task.client] = ClientUpdate(task.client, delta, r.num_samples, r.steps, task.lr, r.loss)
+            r = done[task.client] if task.client in done else local_train(self.model, w, x, y, task)
+            updates[task.client] = ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
         self.stats = self.clients.round_stats(updates)
         return updates, {}
 

@@ -1,0 +1,334 @@
+"""Batched simulation engine: all clients of a round trained as ONE computation, exactly like the loop.
+
+Every parameter gets a leading client dimension ([K, *shape]); convolutions become grouped
+convolutions (groups = K) on activations laid out [B, K·C, H, W], linear layers become batched
+matmuls on [K, B, F]. Each client's loss only depends on its own slice, so one backward pass of
+Σ_k loss_k gives every client exactly the gradient `local_train` computes for it.
+
+Exactness, client by client (see docs/engine.md):
+- batches: `batch_plan` is replayed with the client's own `client_generator`;
+- dropout masks: drawn from that same generator, with the client's real batch shape, in the
+  model's forward order, after the plan (as `local_train` does);
+- a smaller batch (last batch of an epoch, smaller data set) is padded to the round's batch width;
+  padded rows have loss weight 0 and the client's loss is the mean over its real rows;
+- clients that have finished (fewer steps) are frozen: clients are sorted by step count, so the
+  clients still training at step j are a prefix and only that prefix is computed;
+- FedProx (prox_mu) and SCAFFOLD (grad_correction) are added to each client's gradient as in
+  `local_train`, then w ← w − lr·g with the client's own lr.
+
+Workers: the tasks of a round are cut into `groups` fixed slices (independent of the worker
+count); `workers` processes (1 thread each) train the slices. A slice's result does not depend on
+which process or how many processes trained it, so the same seed gives the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge_client.models import VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
+from edge_client.trainer import LocalResult, TrainTask, batch_plan, client_generator
+
+
+@dataclass
+class _Step:
+    """What the active clients (a prefix of length `k`) do at one step."""
+
+    k: int
+    rows: torch.Tensor     # [k, B] global sample indices (padded rows repeat a real index)
+    y: torch.Tensor        # [k, B] labels
+    weight: torch.Tensor   # [k, B] 1 for real rows, 0 for padding
+    sizes: list[int]       # real batch size of each active client
+
+
+class _Batch:
+    """The active clients' parameters and this step's batch; batched layers for the model forwards."""
+
+    def __init__(self, params: dict[str, torch.Tensor], step: _Step, gens: list[torch.Generator],
+                 x_all: torch.Tensor):
+        self.p, self.s, self.gens, self.x_all = params, step, gens, x_all
+        self.k, self.b = step.rows.shape
+
+    # inputs -------------------------------------------------------------------------------------
+    def images(self) -> torch.Tensor:
+        """Inputs in conv layout [B, K·C, H, W] (sample-major, then client)."""
+        x = self.x_all[self.s.rows.t().reshape(-1)]
+        return x.reshape(self.b, self.k * x.shape[1], *x.shape[2:])
+
+    def flat_inputs(self) -> torch.Tensor:
+        """Inputs in row layout [K, B, F]."""
+        return self.x_all[self.s.rows.reshape(-1)].reshape(self.k, self.b, -1)
+
+    # layers ---------------------------------------------------------------------------------------
+    def conv(self, h: torch.Tensor, name: str, padding: int = 0) -> torch.Tensor:
+        w, b = self.p[name + ".weight"], self.p[name + ".bias"]
+        return F.conv2d(h, w.reshape(-1, *w.shape[2:]), b.reshape(-1), padding=padding, groups=self.k)
+
+    def linear(self, h: torch.Tensor, name: str) -> torch.Tensor:
+        w, b = self.p[name + ".weight"], self.p[name + ".bias"]
+        return torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+
+    def to_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """Conv layout [B, K·C, H, W] → row layout [K, B, C·H·W] (each client's `flatten(1)`)."""
+        return h.reshape(self.b, self.k, -1).transpose(0, 1)
+
+    def dropout(self, h: torch.Tensor, layer: SeededDropout, conv_layout: bool) -> torch.Tensor:
+        """`SeededDropout.forward` per client: mask = rand(real batch shape, client generator) >= p."""
+        if layer.p == 0.0:
+            return h
+        if conv_layout:                      # h [B, K·C, H, W] → per-client feature shape (C, H, W)
+            feat = (h.shape[1] // self.k, *h.shape[2:])
+        else:                                # h [K, B, F]
+            feat = tuple(h.shape[2:])
+        if layer.channel:
+            feat = (feat[0],) + (1,) * (len(feat) - 1)
+        masks = torch.ones((self.k, self.b, *feat))
+        for i, (gen, n) in enumerate(zip(self.gens, self.s.sizes)):
+            masks[i, :n] = (torch.rand((n, *feat), generator=gen) >= layer.p).to(masks.dtype)
+        masks = masks.to(h.device)
+        if conv_layout:
+            masks = masks.transpose(0, 1).reshape(self.b, self.k * feat[0], *feat[1:])
+        return h * masks / (1.0 - layer.p)
+
+
+# Batched forwards, one per model class of edge_client/models.py (same layer order as its forward).
+
+def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
+    h = F.max_pool2d(torch.relu(z.conv(z.images(), "conv1")), 2)
+    h = F.max_pool2d(torch.relu(z.conv(h, "conv2")), 2)
+    h = torch.relu(z.linear(z.to_rows(h), "fc1"))
+    return z.linear(torch.relu(z.linear(h, "fc2")), "fc3")
+
+
+def _fdms(m: FdmsMnistCNN, z: _Batch) -> torch.Tensor:
+    h = torch.relu(F.max_pool2d(z.conv(z.images(), "conv1"), 2))
+    h = torch.relu(F.max_pool2d(z.dropout(z.conv(h, "conv2"), m.drop2d, conv_layout=True), 2))
+    h = z.dropout(torch.relu(z.linear(z.to_rows(h), "fc1")), m.drop, conv_layout=False)
+    return z.linear(h, "fc2")
+
+
+def _sequential(seq: nn.Sequential, prefix: str, z: _Batch, h: torch.Tensor, conv_layout: bool) -> torch.Tensor:
+    for i, layer in enumerate(seq):
+        if isinstance(layer, nn.Conv2d):
+            h = z.conv(h, f"{prefix}.{i}", padding=layer.padding[0])
+        elif isinstance(layer, nn.Linear):
+            h = z.linear(h, f"{prefix}.{i}")
+        elif isinstance(layer, nn.ReLU):
+            h = torch.relu(h)
+        elif isinstance(layer, nn.MaxPool2d):
+            h = F.max_pool2d(h, layer.kernel_size)
+        elif isinstance(layer, SeededDropout):
+            h = z.dropout(h, layer, conv_layout)
+        else:
+            raise TypeError(f"batched engine: no batched version of {type(layer).__name__}")
+    return h
+
+
+def _vgg(m: VGG11, z: _Batch) -> torch.Tensor:
+    h = _sequential(m.features, "features", z, z.images(), conv_layout=True)
+    return _sequential(m.classifier, "classifier", z, z.to_rows(h), conv_layout=False)
+
+
+def _mlp(m: nn.Module, z: _Batch) -> torch.Tensor:
+    h = torch.relu(z.linear(z.flat_inputs(), "fc1"))
+    return z.linear(torch.relu(z.linear(h, "fc2")), "fc3")
+
+
+def _logreg(m: LogReg, z: _Batch) -> torch.Tensor:
+    return z.linear(z.flat_inputs(), "fc")
+
+
+def batched_forward(model: nn.Module) -> Callable[[nn.Module, _Batch], torch.Tensor]:
+    """The batched forward of `model`'s class (subclasses first: CifarLeNet is a MimicCNN)."""
+    table: list[tuple[type, Callable]] = [(CifarLeNet, _lenet), (MimicCNN, _lenet), (FdmsMnistCNN, _fdms),
+                                          (VGG11, _vgg), (LogReg, _logreg)]
+    for cls, fn in table:
+        if isinstance(model, cls):
+            return fn
+    if type(model).__name__ == "MLP":
+        return _mlp
+    raise TypeError(f"batched engine: no batched forward for {type(model).__name__}; use --engine loop")
+
+
+class Group:
+    """Trains a list of tasks as one batched computation. Holds the preloaded data of all clients."""
+
+    def __init__(self, model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
+                 sizes: list[int], device: str | torch.device = "cpu"):
+        self.model, self.forward = model, batched_forward(model)
+        self.device = torch.device(device)
+        self.x_all, self.y_all = x_all.to(self.device), y_all.to(self.device)
+        self.offsets, self.sizes = offsets, sizes
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [p.shape for _, p in model.named_parameters()]
+
+    def train(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+        start = time.perf_counter()
+        order = sorted(range(len(tasks)), key=lambda i: -self._num_steps(tasks[i]))
+        tasks = [tasks[i] for i in order]
+        gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
+        plans = [batch_plan(self.sizes[t.client], t, g) for t, g in zip(tasks, gens)]
+        k_all, dev = len(tasks), self.device
+        w0 = w_global.to(dev)
+        # per-parameter stacks [K, *shape], all clients starting from w_global
+        chunks = torch.split(w0, [s.numel() for s in self.shapes])
+        params = {n: c.view(s).expand(k_all, *s).clone() for n, s, c in zip(self.names, self.shapes, chunks)}
+        anchors = {n: c.view(s) for n, s, c in zip(self.names, self.shapes, chunks)}
+        col = lambda vals, s: torch.tensor(vals, dtype=w0.dtype, device=dev).view(-1, *([1] * len(s)))  # noqa: E731
+        mu = [t.prox_mu for t in tasks]
+        neg_lr = [-t.lr for t in tasks]
+        corr = None
+        if any(t.grad_correction is not None for t in tasks):
+            c = torch.stack([t.grad_correction if t.grad_correction is not None else torch.zeros_like(w_global)
+                             for t in tasks]).to(dev)
+            corr = dict(zip(self.names, [cc.reshape(k_all, *s) for cc, s in
+                                         zip(torch.split(c, [s.numel() for s in self.shapes], 1), self.shapes)]))
+        loss_sum = torch.zeros(k_all, dtype=torch.float64, device=dev)
+        for step in self._steps(tasks, plans):
+            k = step.k
+            live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
+            z = _Batch(live, step, gens[:k], self.x_all)
+            logits = self.forward(self.model, z)
+            ce = F.cross_entropy(logits.reshape(k * z.b, -1), step.y.reshape(-1), reduction="none").view(k, z.b)
+            sizes = torch.tensor(step.sizes, dtype=ce.dtype, device=dev)
+            loss = (ce * step.weight).sum(1) / sizes          # each client's mean over its real rows
+            grads = torch.autograd.grad(loss.sum(), list(live.values()))
+            with torch.no_grad():
+                loss_sum[:k] += loss.detach().double()
+                for (n, p), g in zip(params.items(), grads):
+                    s = p.shape[1:]
+                    if any(mu[:k]):                            # FedProx: g + μ (w − w_global)
+                        g = g + col(mu[:k], s) * (p[:k] - anchors[n])
+                    if corr is not None:                       # SCAFFOLD: g + (c − c_i)
+                        g = g + corr[n][:k]
+                    p[:k].addcmul_(g, col(neg_lr[:k], s))      # w ← w − lr·g
+        flat = torch.cat([p.reshape(k_all, -1) for p in params.values()], 1)
+        deltas = (w0.unsqueeze(0) - flat).cpu()
+        seconds = time.perf_counter() - start
+        out: list[LocalResult | None] = [None] * k_all
+        for j, i in enumerate(order):
+            steps = len(plans[j])
+            out[i] = LocalResult(deltas[j].clone(), self.sizes[tasks[j].client], steps,
+                                 float(loss_sum[j]) / max(steps, 1), seconds)
+        return out  # type: ignore[return-value]
+
+    def _num_steps(self, task: TrainTask) -> int:
+        n = self.sizes[task.client]
+        if n == 0:
+            return 0
+        return task.steps if task.steps is not None else (task.epochs or 0) * -(-n // task.batch_size)
+
+    def _steps(self, tasks: list[TrainTask], plans: list[list[torch.Tensor]]):
+        """Yield one `_Step` per step: the active prefix's padded index rows, labels, weights, sizes."""
+        width = max([t.batch_size for t, p in zip(tasks, plans) if p], default=1)
+        padded = []
+        for t, plan in zip(tasks, plans):
+            if not plan:
+                padded.append((torch.zeros(0, width, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
+                continue
+            sizes = torch.tensor([len(b) for b in plan])
+            rows = torch.nn.utils.rnn.pad_sequence(plan, batch_first=True, padding_value=-1)
+            if rows.shape[1] < width:
+                rows = F.pad(rows, (0, width - rows.shape[1]), value=-1)
+            pad = rows < 0
+            rows = torch.where(pad, rows[:, :1], rows) + self.offsets[t.client]   # pad with a real row
+            padded.append((rows, sizes))
+        n_steps = [len(p) for p in plans]
+        for j in range(max(n_steps, default=0)):
+            k = sum(1 for n in n_steps if n > j)
+            rows = torch.stack([padded[i][0][j] for i in range(k)]).to(self.device)
+            sizes = [int(padded[i][1][j]) for i in range(k)]
+            weight = (torch.arange(width).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)).to(self.x_all.dtype)
+            yield _Step(k, rows, self.y_all[rows], weight.to(self.device), sizes)
+
+
+# ---- worker processes ------------------------------------------------------------------------------
+
+_WORKER: Group | None = None
+
+
+def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
+                 sizes: list[int], threads: int) -> None:
+    global _WORKER
+    torch.set_num_threads(threads)
+    _WORKER = Group(model, x_all, y_all, offsets, sizes)
+
+
+def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+    assert _WORKER is not None, "worker not initialised"
+    return _WORKER.train(w_global, tasks)
+
+
+class BatchedEngine:
+    """Runs a round's tasks as `groups` batched slices on `workers` processes (0 = in this process).
+
+    Data is concatenated once ([Σ n_i, ...]) and handed to the workers once (shared memory); a round
+    only ships the global weights and the tasks. On CUDA, everything runs in this process.
+    """
+
+    def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
+                 workers: int | None = None, groups: int = 2, device: str | None = None):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        sizes = [len(y) for _, y in client_data]
+        offsets = [0]
+        for n in sizes[:-1]:
+            offsets.append(offsets[-1] + n)
+        x_all = torch.cat([x for x, _ in client_data])
+        y_all = torch.cat([y for _, y in client_data])
+        model = _strip_generators(model)
+        if workers is None:
+            workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
+        self.groups, self.workers = max(1, groups), workers
+        self.local = Group(model, x_all, y_all, offsets, sizes, device) if workers == 0 else None
+        self.pool = None
+        if workers > 0:
+            import torch.multiprocessing as tmp
+            threads = max(1, torch.get_num_threads() // workers)
+            self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
+                                            initargs=(model, x_all.share_memory_(), y_all.share_memory_(),
+                                                      offsets, sizes, threads))
+
+    def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
+        """`groups` contiguous slices of the task list, fixed by the tasks alone (not by `workers`)."""
+        g = min(self.groups, max(len(tasks), 1))
+        bounds = [len(tasks) * i // g for i in range(g + 1)]
+        return [tasks[bounds[i]:bounds[i + 1]] for i in range(g) if bounds[i + 1] > bounds[i]]
+
+    def run(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+        parts = self.slices(tasks)
+        if self.pool is None:
+            assert self.local is not None
+            results = [self.local.train(w_global, p) for p in parts]
+        else:
+            futures = [self.pool.submit(_train_in_worker, w_global, p) for p in parts]
+            results = [f.result() for f in futures]
+        return [r for part in results for r in part]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _strip_generators(model: nn.Module) -> nn.Module:
+    """A copy of `model` without the torch.Generator that `local_train` leaves on its dropout layers
+    (generators do not pickle; the engine passes generators explicitly)."""
+    import copy
+    saved = [(m, m.generator) for m in model.modules() if isinstance(m, SeededDropout)]
+    for m, _ in saved:
+        m.generator = None
+    try:
+        return copy.deepcopy(model)
+    finally:
+        for m, g in saved:
+            m.generator = g
