@@ -39,3 +39,12 @@ def random_rounds(n: int, m: int, rounds: int, seed: int, p_active: float = 0.5,
             active[rng.integers(n)] = True
         out.append({int(i): rng.normal(size=m).tolist() for i in np.flatnonzero(active)})
     return out
+
+
+def cache_dataset_loads(monkeypatch) -> None:
+    """Load each dataset once per test module: sims in the tests then spend their time in the rounds."""
+    import functools
+
+    from edge_client import datasets
+
+    monkeypatch.setattr(datasets, "load", functools.lru_cache(maxsize=2)(datasets.load))

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from strategy_helpers import cache_dataset_loads
 
 from coordinator import cli
 from coordinator.strategies import STRATEGIES
@@ -21,7 +22,9 @@ def sim(algo: str, out, *extra: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("sims")
-    return {a: (base / a, sim(a, base / a, "--beta", "0.3")) for a in ISSUE3 + ["fedavg"]}
+    with pytest.MonkeyPatch.context() as mp:
+        cache_dataset_loads(mp)
+        return {a: (base / a, sim(a, base / a, "--beta", "0.3")) for a in ISSUE3 + ["fedavg"]}
 
 
 def test_all_issue3_strategies_are_registered():

@@ -1,0 +1,267 @@
+"""`dropfl reproduce mimic-table3`: MimiC's Table 3 (FMNIST, bounded consecutive dropouts, τmax ∈ {20, 50, 100}).
+
+One run directory per (method, τmax, trial) under --out, run with coordinator.sim.run_sim in the paper's
+setup (mimic.md §4.4 and §7). Finished runs are skipped and interrupted ones resumed from their checkpoint,
+so the command can be stopped and restarted. Results: <results>/mimic_table3.json (schema of issue 3,
+accuracies in percent), mimic_table3.md (ours beside the paper's numbers) and mimic_table3_fig4.png
+(accuracy against uploads at τmax = 20, one line per method, mean over trials).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coordinator import config
+from coordinator.errors import UserError
+
+# MimiC Table 3: test accuracy (%) after 200 model uploadings, FMNIST, N = 30, 2 classes per client
+PAPER_TABLE3 = {
+    "FedAvg": {"20": 69.39, "50": 68.42, "100": 68.21},
+    "FedProx": {"20": 72.67, "50": 67.44, "100": 64.74},
+    "SCAFFOLD": {"20": 73.46, "50": 72.30, "100": 68.7},
+    "MIFA": {"20": 72.92, "50": 72.82, "100": 72.20},
+    "MimiC": {"20": 75.89, "50": 74.86, "100": 74.71},
+}
+METHODS = {"FedAvg": "fedavg", "FedProx": "fedprox", "SCAFFOLD": "scaffold", "MIFA": "mifa", "MimiC": "mimic"}
+EXPERIMENTS = ("mimic-table3",)
+
+
+@dataclass
+class Setup:
+    """Paper setup (Table 2 and the released code); the last five fields exist for tests only."""
+
+    rounds: int = 200
+    engine: str = "loop"
+    eval_every: int = 1
+    threads: int | None = None
+    clients: int = 30
+    epochs: int = 5
+    steps: int | None = None
+    model: str = "mimic-cnn"
+    dataset: str = "fmnist"
+
+    def rounds_for(self, method: str) -> int:
+        """Equal uploads: SCAFFOLD uploads two vectors per round, so it runs half the rounds (mimic.md §4.5)."""
+        return max(1, self.rounds // 2) if method == "SCAFFOLD" else self.rounds
+
+
+def sim_config(setup: Setup, method: str, tau: int, trial: int, out: Path) -> config.SimConfig:
+    cfg = config.SimConfig()
+    cfg.data.dataset, cfg.data.partition, cfg.data.clients, cfg.data.shards_per_client = (
+        setup.dataset, "shards", setup.clients, 2)                       # 60 single-class shards, 2 per client
+    cfg.model.model = setup.model                                        # MimiC FMNIST CNN (44,426 parameters)
+    cfg.train.lr, cfg.train.lr_decay, cfg.train.lr_min = 0.01, 0.95, 1e-5  # lr_t = max(0.01·0.95^t, 1e-5)
+    cfg.train.batch_size, cfg.train.epochs, cfg.train.steps = 16, setup.epochs, setup.steps  # B = 16, 5 epochs
+    cfg.train.engine = setup.engine
+    a = cfg.availability
+    a.kind, a.tau_max, a.tau_dist, a.min_active, a.first_round_all = "bounded", tau, "uniform", 2, True
+    cfg.strategy.algo = METHODS[method]                                  # paper defaults of every strategy
+    cfg.run.rounds, cfg.run.seed, cfg.run.eval_every = setup.rounds_for(method), trial, setup.eval_every
+    cfg.run.threads, cfg.run.out = setup.threads, str(out)
+    return cfg
+
+
+def run_dir(root: Path, method: str, tau: int, trial: int) -> Path:
+    return root / f"{METHODS[method]}-tau{tau}-s{trial}"
+
+
+def finished(path: Path, rounds: int) -> bool:
+    """A run is finished when its metrics reach the last round and the final model was written."""
+    metrics = path / "metrics.jsonl"
+    if not (metrics.exists() and (path / "model.pt").exists()):
+        return False
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return bool(rows) and rows[-1]["round"] == rounds - 1 and rows[-1].get("accuracy") is not None
+
+
+def same_setup(path: Path, cfg: config.SimConfig) -> bool:
+    """True if the run directory holds no config yet or the same one (so stale runs are never reused).
+    Options added to the config schema after the run was written are not held against it."""
+    p = path / "config.json"
+    if not p.exists():
+        return True
+    old, new = json.loads(p.read_text()), json.loads(json.dumps(cfg.to_dict()))
+    return all(old.get(sec, {}).get(k, v) == v for sec, fields in new.items() for k, v in fields.items())
+
+
+def curve(path: Path) -> tuple[list[int], list[float]]:
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    ev = [r for r in rows if r.get("accuracy") is not None]
+    return [r["uploads"] for r in ev], [100 * r["accuracy"] for r in ev]
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof = 1; 0 for a single trial); the paper does not say which."""
+    a = np.asarray(xs, dtype=float)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path,
+             progress: bool = True, log=print) -> dict[str, dict[str, dict]]:
+    """Run (or skip, or resume) every (method, τ, trial); return ours[method][τ] = {mean, std, trials, ...}."""
+    from coordinator.sim import run_sim
+    from coordinator.strategies import STRATEGIES
+
+    ours: dict[str, dict[str, dict]] = {}
+    total, k = len(methods) * len(taus) * trials, 0
+    for tau in taus:
+        for method in methods:
+            finals = []
+            for trial in range(trials):
+                k += 1
+                path = run_dir(root, method, tau, trial)
+                cfg = sim_config(setup, method, tau, trial, path)
+                config.validate(cfg, list(STRATEGIES))
+                if not same_setup(path, cfg):
+                    raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
+                if finished(path, cfg.run.rounds):
+                    log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: done already, skipped")
+                else:
+                    resume = (path / "checkpoint.pt").exists()
+                    log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: {'resuming' if resume else 'running'} "
+                        f"{cfg.run.rounds} rounds -> {path}")
+                    run_sim(cfg, str(path), resume=resume, progress=progress)
+                finals.append(curve(path)[1][-1])
+            mean, std = mean_std(finals)
+            ours.setdefault(method, {})[str(tau)] = {
+                "mean": round(mean, 2), "std": round(std, 2), "trials": [round(x, 2) for x in finals],
+                "seeds": list(range(trials)), "runs": [str(run_dir(root, method, tau, s)) for s in range(trials)]}
+    return ours
+
+
+def setup_dict(setup: Setup, taus: list[int], trials: int, root: Path) -> dict:
+    return {
+        "dataset": setup.dataset, "clients": setup.clients, "partition": "shards, 2 single-class shards per client",
+        "model": setup.model, "batch_size": 16, "local_epochs": setup.epochs, "local_steps": setup.steps,
+        "lr": "max(0.01 * 0.95^t, 1e-5), local SGD lr; server applies the mean delta with step 1 (released code)",
+        "rounds": setup.rounds, "rounds_scaffold": setup.rounds_for("SCAFFOLD"),
+        "uploads": setup.rounds, "availability": "bounded: tau_i ~ UniformInt{0..tau_max} (paper), active iff "
+        "tau_i <= 1 or t mod tau_i == 0, at least 2 active (code), round 0 everyone",
+        "taus": taus, "trials": trials, "seeds": list(range(trials)), "engine": setup.engine,
+        "strategy_defaults": "MimiC/MIFA units=delta, MIFA weights round(1/N,4), FedProx mu=0.001, "
+                             "SCAFFOLD option II, server step 1",
+        "metric": "test accuracy (%) of the global model after the last round (200 uploads), mean and sample "
+                  "std (ddof=1) over trials",
+        "runs_dir": str(root),
+    }
+
+
+def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
+    ours, paper = results["ours"], results["paper"]
+    head = "| method | " + " | ".join(f"τmax = {t}: ours | paper" for t in taus) + " |"
+    lines = ["# MimiC Table 3 reproduction: FMNIST test accuracy (%) after 200 model uploads", "",
+             f"Setup: {results['setup']['clients']} clients, {results['setup']['rounds']} rounds "
+             f"(SCAFFOLD {results['setup']['rounds_scaffold']}), {results['setup']['trials']} trial(s), "
+             f"engine {results['setup']['engine']}; ours = mean ± std over trials.", "",
+             head, "|---|" + "---:|---:|" * len(taus)]
+    for m in methods:
+        cells = []
+        for t in taus:
+            o = ours.get(m, {}).get(str(t))
+            cells.append(f"{o['mean']:.2f} ± {o['std']:.2f}" if o else "–")
+            cells.append(f"{paper[m][str(t)]:.2f}" if str(t) in paper.get(m, {}) else "–")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", "Checks (issue 3):", ""]
+    for t in taus:
+        got = {m: ours[m][str(t)]["mean"] for m in methods if str(t) in ours.get(m, {})}
+        if {"MimiC", "MIFA", "FedAvg"} <= set(got):
+            ok = got["MimiC"] >= got["MIFA"] >= got["FedAvg"]
+            lines.append(f"- τmax = {t}: MimiC ≥ MIFA ≥ FedAvg: {'yes' if ok else 'NO'} "
+                         f"({got['MimiC']:.2f}, {got['MIFA']:.2f}, {got['FedAvg']:.2f})")
+        far = [f"{m} ({got[m] - paper[m][str(t)]:+.2f})" for m in got
+               if str(t) in paper.get(m, {}) and abs(got[m] - paper[m][str(t)]) > 4]
+        lines.append(f"- τmax = {t}: more than 4 points from the paper: {', '.join(far) if far else 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+def figure(results: dict, methods: list[str], tau: int, out: Path) -> Path:
+    """Fig. 4-like: accuracy against uploads at one τmax, one line per method (mean over trials)."""
+    from coordinator.report import accuracy_plot
+
+    curves = {}
+    for m in methods:
+        cell = results["ours"].get(m, {}).get(str(tau))
+        if not cell:
+            continue
+        per_trial = [curve(Path(p)) for p in cell["runs"]]
+        n = min(len(x) for x, _ in per_trial)
+        x = per_trial[0][0][:n]
+        y = np.mean([acc[:n] for _, acc in per_trial], axis=0)
+        curves[m] = (x, list(y))
+    return accuracy_plot(curves, out, f"FMNIST, bounded dropout τmax = {tau} (cf. MimiC Fig. 4)")
+
+
+def reproduce_table3(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path, results_dir: Path,
+                     progress: bool = True, log=print) -> dict:
+    ours = run_grid(setup, methods, taus, trials, root, progress, log)
+    results = {"paper": PAPER_TABLE3, "ours": ours, "setup": setup_dict(setup, taus, trials, root)}
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "mimic_table3.json").write_text(json.dumps(results, indent=2) + "\n")
+    (results_dir / "mimic_table3.md").write_text(markdown(results, methods, taus))
+    fig_tau = 20 if 20 in taus else taus[0]
+    figure(results, methods, fig_tau, results_dir / "mimic_table3_fig4.png")
+    return results
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return out
+
+
+def _methods(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [m for m in out if m not in METHODS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad} (choose from {', '.join(METHODS)})")
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "reproduce", help="reproduce a published table (mimic-table3)",
+        description="Reproduce MimiC's Table 3: FedAvg, FedProx, SCAFFOLD (half the rounds: same uploads), MIFA "
+                    "and MimiC on FMNIST under bounded consecutive dropouts, for each τmax, in the paper's setup "
+                    "(30 clients, 2 shards each, MimiC CNN, batch 16, 5 epochs, lr 0.01·0.95^t). Finished runs are "
+                    "skipped and interrupted ones resumed. Hours of CPU at full size.")
+    p.add_argument("experiment", choices=EXPERIMENTS)
+    p.add_argument("--trials", type=int, default=3, help="trials (seeds 0..trials-1; default 3)")
+    p.add_argument("--taus", type=_int_list, default=[20, 50, 100], help="τmax values (default 20,50,100)")
+    p.add_argument("--rounds", type=int, default=200, help="rounds = uploads (SCAFFOLD: half; default 200)")
+    p.add_argument("--methods", type=_methods, default=list(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    p.add_argument("--out", default="runs/mimic-table3", help="directory of the run directories")
+    p.add_argument("--results", default="benchmarks/results", help="where mimic_table3.{json,md} and the figure go")
+    p.add_argument("--engine", default="loop", help="simulation engine (TrainConfig.engine)")
+    p.add_argument("--eval-every", type=int, default=1, help="evaluate every n rounds (and at the last; default 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # test-only overrides of the paper setup (hidden from --help)
+    p.add_argument("--clients", type=int, default=30, help=argparse.SUPPRESS)
+    p.add_argument("--epochs", type=int, default=5, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="mimic-cnn", help=argparse.SUPPRESS)
+    p.add_argument("--dataset", default="fmnist", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trials < 1 or args.rounds < 1 or args.eval_every < 1:
+        raise UserError("--trials, --rounds and --eval-every must be >= 1")
+    setup = Setup(rounds=args.rounds, engine=args.engine, eval_every=args.eval_every, threads=args.threads,
+                  clients=args.clients, epochs=args.epochs, steps=args.steps, model=args.model, dataset=args.dataset)
+    results = reproduce_table3(setup, args.methods, args.taus, args.trials, Path(args.out), Path(args.results),
+                               progress=not args.no_progress and sys.stderr.isatty())
+    print(markdown(results, args.methods, args.taus), end="")
+    print(f"wrote {Path(args.results) / 'mimic_table3.json'}, .md and _fig4.png")
+    return 0

@@ -1,0 +1,82 @@
+"""dropfl reproduce mimic-table3 on a tiny setting: the whole pipeline, its JSON schema, resumption."""
+
+import json
+
+import pytest
+from strategy_helpers import cache_dataset_loads
+
+from coordinator import cli
+from coordinator.cmd_reproduce import METHODS, PAPER_TABLE3, markdown
+
+TINY = ["--trials", "1", "--taus", "3", "--rounds", "2", "--clients", "6", "--steps", "2", "--model", "logreg",
+        "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def repro(tmp_path_factory):
+    base = tmp_path_factory.mktemp("repro")
+    args = ["reproduce", "mimic-table3", *TINY, "--out", str(base / "runs"), "--results", str(base / "res")]
+    with pytest.MonkeyPatch.context() as mp:
+        cache_dataset_loads(mp)
+        assert cli.main(args) == 0
+    return base, args
+
+
+def test_results_json_schema_and_files(repro):
+    base, _ = repro
+    res = json.loads((base / "res" / "mimic_table3.json").read_text())
+    assert res["paper"] == PAPER_TABLE3 and res["paper"]["MimiC"]["20"] == 75.89
+    assert set(res["ours"]) == set(METHODS)
+    for cells in res["ours"].values():
+        cell = cells["3"]
+        assert len(cell["trials"]) == 1 and cell["mean"] == cell["trials"][0] and cell["std"] == 0.0
+        assert 0 <= cell["mean"] <= 100  # percent
+    assert res["setup"]["rounds"] == 2 and res["setup"]["rounds_scaffold"] == 1 and res["setup"]["taus"] == [3]
+    md = (base / "res" / "mimic_table3.md").read_text()
+    assert "| MimiC |" in md and "τmax = 3" in md
+    assert (base / "res" / "mimic_table3_fig4.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_use_the_paper_setup_and_equal_uploads(repro):
+    base, _ = repro
+    cfg = json.loads((base / "runs" / "mimic-tau3-s0" / "config.json").read_text())
+    assert cfg["train"]["lr"] == 0.01 and cfg["train"]["lr_decay"] == 0.95 and cfg["train"]["batch_size"] == 16
+    a = cfg["availability"]
+    assert (a["kind"], a["tau_max"], a["tau_dist"], a["min_active"], a["first_round_all"]) == (
+        "bounded", 3, "uniform", 2, True)
+    last = {}
+    for m in ("scaffold", "mimic"):
+        rows = (base / "runs" / f"{m}-tau3-s0" / "metrics.jsonl").read_text().splitlines()
+        last[m] = json.loads(rows[-1])
+    assert last["scaffold"]["round"] == 0 and last["mimic"]["round"] == 1  # SCAFFOLD: half the rounds ...
+    assert last["scaffold"]["uploads"] == last["mimic"]["uploads"] == 2   # ... for the same uploads
+
+
+def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(repro, capsys):
+    base, args = repro
+    model = base / "runs" / "fedavg-tau3-s0" / "model.pt"
+    stamp = model.stat().st_mtime_ns
+    (base / "runs" / "mimic-tau3-s0" / "model.pt").unlink()  # as if stopped before the end
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        cache_dataset_loads(mp)
+        assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("done already, skipped") == 4 and "MimiC τmax=3 trial 0: resuming" in out
+    assert model.stat().st_mtime_ns == stamp
+    assert (base / "runs" / "mimic-tau3-s0" / "model.pt").exists()
+
+
+def test_unknown_engine_is_a_user_error(tmp_path):
+    assert cli.main(["reproduce", "mimic-table3", *TINY, "--engine", "warp", "--out", str(tmp_path)]) == 2
+
+
+def test_markdown_checks_order_and_distance_to_paper():
+    ours = {m: {"20": {"mean": v, "std": 0.5}} for m, v in
+            {"FedAvg": 69.0, "FedProx": 60.0, "SCAFFOLD": 73.0, "MIFA": 72.0, "MimiC": 76.0}.items()}
+    md = markdown({"paper": PAPER_TABLE3, "ours": ours,
+                   "setup": {"clients": 30, "rounds": 200, "rounds_scaffold": 100, "trials": 3, "engine": "loop"}},
+                  list(METHODS), [20])
+    assert "| MimiC | 76.00 ± 0.50 | 75.89 |" in md
+    assert "MimiC ≥ MIFA ≥ FedAvg: yes" in md
+    assert "more than 4 points from the paper: FedProx (-12.67)" in md
