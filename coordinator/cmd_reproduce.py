@@ -30,6 +30,8 @@ PAPER_TABLE3 = {
 }
 METHODS = {"FedAvg": "fedavg", "FedProx": "fedprox", "SCAFFOLD": "scaffold", "MIFA": "mifa", "MimiC": "mimic"}
 EXPERIMENTS = ("mimic-table3",)
+NOT_SETUP = {("run", "threads"), ("run", "out"), ("run", "eval_every"), ("run", "checkpoint_every"),
+             ("train", "engine")}
 
 
 @dataclass
@@ -82,12 +84,14 @@ def finished(path: Path, rounds: int) -> bool:
 
 def same_setup(path: Path, cfg: config.SimConfig) -> bool:
     """True if the run directory holds no config yet or the same one (so stale runs are never reused).
-    Options added to the config schema after the run was written are not held against it."""
+    Options added to the config schema after the run was written, and options that do not change the
+    numbers (threads, engine, evaluation and checkpoint frequency, path), are not held against it."""
     p = path / "config.json"
     if not p.exists():
         return True
     old, new = json.loads(p.read_text()), json.loads(json.dumps(cfg.to_dict()))
-    return all(old.get(sec, {}).get(k, v) == v for sec, fields in new.items() for k, v in fields.items())
+    return all(old.get(sec, {}).get(k, v) == v for sec, fields in new.items() for k, v in fields.items()
+               if (sec, k) not in NOT_SETUP)
 
 
 def curve(path: Path) -> tuple[list[int], list[float]]:

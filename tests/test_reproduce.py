@@ -80,3 +80,17 @@ def test_markdown_checks_order_and_distance_to_paper():
     assert "| MimiC | 76.00 ± 0.50 | 75.89 |" in md
     assert "MimiC ≥ MIFA ≥ FedAvg: yes" in md
     assert "more than 4 points from the paper: FedProx (-12.67)" in md
+
+
+def test_a_run_directory_with_another_setup_is_not_reused(tmp_path):
+    from coordinator.cmd_reproduce import Setup, same_setup, sim_config
+
+    cfg = sim_config(Setup(rounds=2), "MimiC", 20, 0, tmp_path)
+    assert same_setup(tmp_path, cfg)  # nothing there yet
+    old = json.loads(json.dumps(cfg.to_dict()))
+    old["run"]["threads"], old["train"]["engine"] = 7, "other"  # do not change the numbers
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert same_setup(tmp_path, cfg)
+    old["availability"]["tau_max"] = 50
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert not same_setup(tmp_path, cfg)
