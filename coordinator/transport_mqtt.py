@@ -191,20 +191,22 @@ class FieldHub:
             self.late += 1
             return
         try:
-            m = self.reasm.add(payload, run=self.cfg.run_id, client=a.client, kinds=kinds)
-            if m is not None:
-                wire.check_binding(m.header, round=r.t)
+            m = self.reasm.add(payload, client=a.client, kinds=kinds)
         except wire.WireError as e:
-            if "wrong round" in e.reason:
-                self.late += 1
-                log(f"round {r.t}: discarded {sub} of {device} ({e.reason}: late)")
-                return
             r.rejected += 1
             log(f"round {r.t}: rejected {sub} of {device}: {e.reason}")
             if a.client in r.tasks and not r.resolved(a.client) and a.client not in r.updates:
                 r.dropped[a.client] = "rejected"
             return
-        if m is None or a.client not in r.tasks:
+        if m is None:
+            return
+        try:
+            wire.check_binding(m.header, run=self.cfg.run_id, round=r.t)
+        except wire.WireError as e:  # another run's or an earlier round's: late, never aggregated
+            self.late += 1
+            log(f"round {r.t}: discarded {sub} of {device} ({e.reason}: late or stale)")
+            return
+        if a.client not in r.tasks:
             return
         c = a.client
         if m.kind == "decline":
@@ -259,8 +261,11 @@ class FieldHub:
             if a.mismatch:
                 log(f"device {device} will not be selected: {a.mismatch}")
             r = self.round
-            if not a.online and r is not None and not r.closed and a.client in r.tasks and not r.resolved(a.client):
-                r.rejoined.add(a.client)
+            if r is not None and not r.closed and a.client in r.tasks and a.client not in r.updates:
+                if r.dropped.get(a.client) == "offline":  # back within the round: give it the task again
+                    del r.dropped[a.client]
+                if not r.resolved(a.client):
+                    r.rejoined.add(a.client)
             a.online = True
             a.last_heartbeat = time.monotonic()
         else:

@@ -88,11 +88,17 @@ class Watcher:
             self.seen.append((msg.topic, h))
             self.cond.notify_all()
 
-    def wait_for(self, pred: Callable[[str, wire.Header], bool], timeout: float = 60.0) -> tuple[str, wire.Header]:
+    def mark(self) -> int:
         with self.cond:
-            ok = self.cond.wait_for(lambda: any(pred(*m) for m in self.seen), timeout=timeout)
+            return len(self.seen)
+
+    def wait_for(self, pred: Callable[[str, wire.Header], bool], timeout: float = 60.0,
+                 since: int = 0) -> tuple[str, wire.Header]:
+        """The first message (from index `since` on) that satisfies pred, waiting for it if needed."""
+        with self.cond:
+            ok = self.cond.wait_for(lambda: any(pred(*m) for m in self.seen[since:]), timeout=timeout)
             assert ok, "the awaited MQTT message never came"
-            return next(m for m in self.seen if pred(*m))
+            return next(m for m in self.seen[since:] if pred(*m))
 
     def close(self) -> None:
         self.c.disconnect()
