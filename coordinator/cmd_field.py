@@ -15,6 +15,7 @@ import json
 import signal
 import sys
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -45,7 +46,11 @@ def add_parser(sub) -> None:
     config.add_arguments(p, list(STRATEGIES))
     g = p.add_argument_group("field")
     for flag, (dest, typ, help_) in FIELD_OPTIONS.items():
-        g.add_argument(flag, dest=f"field.{dest}", type=typ, default=None, help=help_)
+        g.add_argument(flag, dest=f"field.{dest}", type=typ, default=None, help=help_,
+                       metavar=flag.lstrip("-").upper().replace("-", "_"))
+    g.add_argument("--broker-config", metavar="FILE",
+                   help="coordinator.json of a provisioned broker (broker URL, username, password, ca_file); "
+                        "see docs/provisioning.md")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint.pt")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
     p.set_defaults(func=run)
@@ -58,6 +63,13 @@ def field_config(args: argparse.Namespace, rundir: RunDir, resume: bool):
     saved = rundir.file("field.json")
     if resume and saved.exists():
         fc = FieldConfig(**json.loads(saved.read_text()))
+    if getattr(args, "broker_config", None):
+        try:
+            creds = json.loads(Path(args.broker_config).read_text())
+            fc.broker, fc.username, fc.password = creds["broker"], creds["username"], creds["password"]
+            fc.ca_file = str(Path(args.broker_config).parent / creds["ca_file"]) if creds.get("ca_file") else None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--broker-config: {args.broker_config} is not a readable coordinator.json ({e})") from None
     for dest, _, _ in FIELD_OPTIONS.values():
         v = getattr(args, f"field.{dest}", None)
         if v is not None:
@@ -80,7 +92,7 @@ def run(args) -> int:
     rundir = RunDir(out)
     fc = field_config(args, rundir, args.resume)
     rundir.write_json("config.json", cfg.to_dict())
-    rundir.write_json("field.json", dataclasses.asdict(fc))
+    rundir.write_json("field.json", dataclasses.asdict(fc) | {"password": None})
     signal.signal(signal.SIGTERM, _interrupt)
     run_field(cfg, fc, rundir, resume=args.resume, progress=not args.no_progress)
     print(f"run directory: {out}")

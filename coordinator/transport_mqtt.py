@@ -37,7 +37,10 @@ from edge_client.trainer import TrainTask
 
 @dataclass
 class FieldConfig:
-    broker: str = "mqtt://127.0.0.1:1883"
+    broker: str = "mqtt://127.0.0.1:1883"   # mqtts://HOST:PORT = TLS, server checked against ca_file
+    username: str = "coordinator"
+    password: str | None = None              # never written to the run directory
+    ca_file: str | None = None
     run_id: str = ""
     deadline_s: float = 60.0          # per round, from the first publish
     heartbeat_timeout_s: float = 10.0  # no heartbeat for this long: offline
@@ -97,7 +100,11 @@ class FieldHub:
         self.field_log = rundir_path / "field.jsonl"
         self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
                                 client_id=f"dropfl-coordinator-{uuid.uuid4().hex[:8]}", clean_session=True)
-        self.mqtt.username_pw_set("coordinator")
+        self.mqtt.username_pw_set(cfg.username, cfg.password)
+        if cfg.broker.startswith("mqtts://"):
+            if not cfg.ca_file:
+                raise UserError("--broker mqtts://...: the broker's CA certificate is needed (--broker-config)")
+            self.mqtt.tls_set(ca_certs=cfg.ca_file)
         self.mqtt.will_set(f"{TOPIC_ROOT}/coordinator/status", self._status("offline"), qos=1, retain=True)
         self.mqtt.reconnect_delay_set(min_delay=0.2, max_delay=2)
         self.mqtt.max_inflight_messages_set(1000)
