@@ -185,6 +185,13 @@ def decode_sparse(layout: Layout, payload: bytes) -> tuple[list[np.ndarray], tor
     return masks, keep, out
 
 
+def delta_from_upload(layout: Layout, payload: bytes, w_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinator side of an upload: (delta = W^t − Ŵ on the mask and 0 elsewhere, flat bool mask) from a
+    payload of the client's kept values Ŵ (`encode_sparse(layout, memory.masks, memory.w_local)`)."""
+    _, keep, values = decode_sparse(layout, payload)
+    return torch.where(keep, w_global - values, torch.zeros_like(w_global)), keep
+
+
 @dataclass
 class Memory:
     """What a FedDD client keeps between rounds for the sparse download (eq. 5)."""

@@ -157,3 +157,18 @@ def test_edge_client_does_not_import_coordinator_or_cvxpy():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('coordinator', 'cvx', 'cvxpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_upload_payload_gives_the_server_the_simulated_delta():
+    """Field path (encode the kept values Ŵ, decode on the coordinator against W^t) = simulation path."""
+    model = tiny()
+    lay = feddd.unit_layout(model)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 2, generator=g), torch.tensor([0, 1] * 4)
+    w = get_flat(model)
+    out, mem = feddd.client_round(model, lay, w, x, y, TrainTask(client=0, round=0, lr=0.5, batch_size=4,
+                                                                 dropout_rate=0.5), None)
+    payload = feddd.encode_sparse(lay, mem.masks, mem.w_local)
+    assert len(payload) == out.upload_bytes
+    delta, mask = feddd.delta_from_upload(lay, payload, w)
+    assert torch.equal(mask, out.mask) and torch.equal(delta, out.delta)
