@@ -89,7 +89,7 @@ class _Batch:
             feat = tuple(h.shape[2:])
         if layer.channel:
             feat = (feat[0],) + (1,) * (len(feat) - 1)
-        masks = torch.ones((self.k, self.b, *feat))
+        masks = torch.ones((self.k, self.b, *feat), dtype=h.dtype)
         for i, (gen, n) in enumerate(zip(self.gens, self.s.sizes)):
             masks[i, :n] = (torch.rand((n, *feat), generator=gen) >= layer.p).to(masks.dtype)
         masks = masks.to(h.device)
@@ -161,8 +161,8 @@ class Group:
     """Trains a list of tasks as one batched computation. Holds the preloaded data of all clients."""
 
     def __init__(self, model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
-                 sizes: list[int], device: str | torch.device = "cpu"):
-        self.model, self.forward = model, batched_forward(model)
+                 sizes: list[int], device: str | torch.device = "cpu", threads: int = 1):
+        self.model, self.forward, self.threads = model, batched_forward(model), threads
         self.device = torch.device(device)
         self.x_all, self.y_all = x_all.to(self.device), y_all.to(self.device)
         self.offsets, self.sizes = offsets, sizes
@@ -170,6 +170,16 @@ class Group:
         self.shapes = [p.shape for _, p in model.named_parameters()]
 
     def train(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+        """Train `tasks` from `w_global` with `threads` intra-op threads (fixed, so that a slice's
+        float rounding, hence its result, is the same in any process)."""
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return self._train(w_global, tasks)
+        finally:
+            torch.set_num_threads(saved)
+
+    def _train(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
         start = time.perf_counter()
         order = sorted(range(len(tasks)), key=lambda i: -self._num_steps(tasks[i]))
         tasks = [tasks[i] for i in order]
@@ -258,7 +268,7 @@ def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, off
                  sizes: list[int], threads: int) -> None:
     global _WORKER
     torch.set_num_threads(threads)
-    _WORKER = Group(model, x_all, y_all, offsets, sizes)
+    _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads)
 
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
@@ -286,11 +296,11 @@ class BatchedEngine:
         if workers is None:
             workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
         self.groups, self.workers = max(1, groups), workers
-        self.local = Group(model, x_all, y_all, offsets, sizes, device) if workers == 0 else None
+        threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
+        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads) if workers == 0 else None
         self.pool = None
         if workers > 0:
             import torch.multiprocessing as tmp
-            threads = max(1, torch.get_num_threads() // workers)
             self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
                                             initargs=(model, x_all.share_memory_(), y_all.share_memory_(),
                                                       offsets, sizes, threads))
