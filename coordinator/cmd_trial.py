@@ -124,6 +124,18 @@ def _stop_group(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
         pass
 
 
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process group at once, then wait for (or SIGKILL) each."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        _stop_group(p)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -139,34 +151,37 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
     py = [sys.executable, "-m", "coordinator.cli"]
     try:
         with tempfile.TemporaryDirectory(prefix="dropfl-trial-") as tmp, Mosquitto(workdir=tmp) as broker:
-            for i in range(n):
-                adir = out / "agents" / f"client-{i}"
-                adir.mkdir(parents=True, exist_ok=True)
-                slow = max_slowdown * i / max(n - 1, 1)
-                ac = agent_config(cfg, i, broker.url, adir, profiles[i % len(profiles)], heartbeat_s, slow)
-                (adir / "agent.json").write_text(json.dumps(ac, indent=2) + "\n")
-                logs.append(open(adir / "agent.log", "w"))
-                procs.append(subprocess.Popen(py + ["client", "--config", str(adir / "agent.json")],
-                                              stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
-            trial_cfg = out / "trial-config.json"
-            trial_cfg.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            logs.append(open(out / "coordinator.log", "w"))
-            cmd = py + ["coordinator", "--config", str(trial_cfg), "--broker", broker.url, "--out", str(out),
-                        "--deadline", str(deadline_s), "--heartbeat-timeout", str(max(10 * heartbeat_s, 5.0))]
-            coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
-                                     stderr=None if progress else subprocess.STDOUT, start_new_session=True)
-            procs.append(coord)
-            rc = coord.wait()
-            if rc != 0:
-                raise UserError(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}")
-            for p in procs[:-1]:  # agents exit on the coordinator's "finished"; give them a moment
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
+            print(f"broker {broker.url}", file=sys.stderr, flush=True)
+            try:  # processes stop before the broker does: agents still publish their offline status
+                for i in range(n):
+                    adir = out / "agents" / f"client-{i}"
+                    adir.mkdir(parents=True, exist_ok=True)
+                    slow = max_slowdown * i / max(n - 1, 1)
+                    ac = agent_config(cfg, i, broker.url, adir, profiles[i % len(profiles)], heartbeat_s, slow)
+                    (adir / "agent.json").write_text(json.dumps(ac, indent=2) + "\n")
+                    logs.append(open(adir / "agent.log", "w"))
+                    procs.append(subprocess.Popen(py + ["client", "--config", str(adir / "agent.json")],
+                                                  stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+                trial_cfg = out / "trial-config.json"
+                trial_cfg.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+                logs.append(open(out / "coordinator.log", "w"))
+                cmd = py + ["coordinator", "--config", str(trial_cfg), "--broker", broker.url, "--out", str(out),
+                            "--deadline", str(deadline_s), "--heartbeat-timeout", str(max(10 * heartbeat_s, 5.0))]
+                coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
+                                         stderr=None if progress else subprocess.STDOUT, start_new_session=True)
+                procs.append(coord)
+                rc = coord.wait()
+                if rc != 0:
+                    raise UserError(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}")
+                for p in procs[:-1]:  # agents exit on the coordinator's "finished"; give them a moment
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+            finally:
+                _stop_all(procs)
     finally:
-        for p in procs:
-            _stop_group(p)
+        _stop_all(procs)
         for f in logs:
             f.close()
         signal.signal(signal.SIGTERM, old)

@@ -4,12 +4,16 @@ log replayed in simulation gives the same final model (the agents train bit for 
 import argparse
 import csv
 import json
+import signal
+import socket
+import subprocess
 
 import numpy as np
 import onnxruntime as ort
 import psutil
+import pytest
 import torch
-from fieldkit import SETTINGS, max_diff, participants, sim_model
+from fieldkit import CLI, ROOT, SETTINGS, max_diff, participants, sim_model
 
 from coordinator import config
 from coordinator.availability import REASONS
@@ -68,3 +72,22 @@ def test_trial_five_agents_three_rounds_replays_to_the_same_model(tmp_path, fmni
     sim = sim_model(tmp_path / "sim", 3, ALGO, out / "participation.csv")
     assert participants(tmp_path / "sim" / "participation.csv") == participants(out / "participation.csv")
     assert max_diff(sd, sim) <= 1e-5
+
+
+def test_trial_stops_everything_on_ctrl_c(tmp_path):
+    out = tmp_path / "interrupted"
+    trial = subprocess.Popen(CLI + ["trial", "--agents", "2", "--rounds", "1000", "--model", "logreg", "--steps", "2",
+                                    "--out", str(out)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    port = None
+    for line in trial.stderr:  # the coordinator's log comes through the trial's stderr
+        if line.startswith("broker "):
+            port = int(line.rsplit(":", 1)[1])
+        if "agents online" in line:
+            break
+    trial.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+    _, err = trial.communicate(timeout=60)
+    assert trial.returncode == 130, err
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert port is not None and leftovers == []
+    with pytest.raises(ConnectionRefusedError):  # the private broker is gone too
+        socket.create_connection(("127.0.0.1", port), timeout=5)
