@@ -42,7 +42,7 @@ class FieldConfig:
     password: str | None = None              # never written to the run directory
     ca_file: str | None = None
     run_id: str = ""
-    deadline_s: float = 60.0          # per round, from the first publish
+    deadline_s: float = 60.0          # per round, from the publish of the model and tasks
     heartbeat_timeout_s: float = 10.0  # no heartbeat for this long: offline
     wait_agents: int = 0              # at start, wait for this many agents (0: all clients)
     wait_timeout_s: float = 120.0
@@ -398,7 +398,7 @@ class MqttTransport:
         for task in tasks:  # tasks first: an agent then trains before it evaluates the ONNX model
             self._publish_task(task)
         self._publish_model(t, w, onnx_bytes)
-        deadline = start + hub.cfg.deadline_s
+        deadline = time.monotonic() + hub.cfg.deadline_s  # from the publish; wall_s counts the export too
         with hub.cond:
             while True:
                 now = time.monotonic()
