@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from edge_client import agent as ag
+from edge_client import wire
 from edge_client.battery import BatteryConfig, BatteryError, ModelBattery, Reading, TraceBattery, make_battery
 from edge_client.monitor import PolicyConfig, decide
 
@@ -77,3 +78,76 @@ def test_agent_shard_is_the_simulation_shard(fmnist):
     idx = partition.partition("shards", fmnist.train.y.numpy(), 6, 4, shards_per_client=2)[3]
     assert torch.equal(y, fmnist.train.y[torch.as_tensor(idx)]) and torch.equal(x, fmnist.train.x[torch.as_tensor(idx)])
     assert len(ty) == 10000 // 6 + (1 if 3 < 10000 % 6 else 0)
+
+
+def test_the_agent_does_not_import_coordinator_or_cvxpy():
+    import subprocess
+    import sys
+    code = ("import sys, edge_client.agent, edge_client.wire, edge_client.battery, edge_client.monitor; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('coordinator', 'cvx', 'cvxpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+class Published:
+    """Stands in for paho's MQTTMessageInfo of a publish that the broker acknowledged."""
+
+    def wait_for_publish(self, timeout=None):
+        pass
+
+    def is_published(self):
+        return True
+
+
+def offline_agent(tmp_path, monkeypatch, battery: dict):
+    cfg = ag.config_from_dict({"agent": {"client": 1, "out": str(tmp_path)}, "battery": battery,
+                               "data": {"clients": 4, "partition": "iid", "seed": 2}, "model": {"model": "logreg"}})
+    a = ag.Agent(cfg)
+    sent: list[tuple[str, bytes]] = []
+    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
+                        sent.append((topic, payload)) or Published())
+    a.connected.set()
+    return a, sent
+
+
+def deliver(a, topic, frames):
+    for f in frames:
+        a._handle(topic, f, False, 0.0)
+    a._work()
+
+
+def test_agent_trains_exactly_like_the_simulation_and_resends_its_cached_update(tmp_path, monkeypatch):
+    from coordinator.transport_mqtt import export_onnx
+    from edge_client.models import build_model, get_flat
+    from edge_client.trainer import TrainTask, evaluate, local_train
+
+    a, sent = offline_agent(tmp_path, monkeypatch, {"source": "mains"})
+    model = build_model("logreg", (1, 28, 28), 10, 2)
+    w = get_flat(model) + 0.01
+    task = {"lr": 0.1, "batch_size": 8, "epochs": 1, "steps": 3, "prox_mu": 0.0, "seed": 2}
+    deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 5, 1, meta=task))
+    assert sent == []  # it waits for the round's model
+    deliver(a, "dropfl/v1/model/weights", wire.encode("model", "run", 5, -1, w))
+    deliver(a, "dropfl/v1/model/onnx", wire.encode("onnx", "run", 5, -1, torch.frombuffer(
+        bytearray(export_onnx(model, w, (1, 28, 28))), dtype=torch.uint8)))
+    topics = [t.rsplit("/", 1)[1] for t, _ in sent]
+    assert topics == ["delta", "stats", "eval"]
+    up = wire.decode([sent[0][1]], run="run", round=5, client=1, kinds=("update",))
+    ref = local_train(build_model("logreg", (1, 28, 28), 10, 0), w, a.x, a.y,
+                      TrainTask(client=1, round=5, lr=0.1, batch_size=8, epochs=1, steps=3, seed=2))
+    assert torch.equal(up.tensor, ref.delta) and up.meta["steps"] == 3 and up.meta["num_samples"] == len(a.y)
+    acc = wire.decode([sent[2][1]]).meta["accuracy"]
+    assert acc == pytest.approx(evaluate(model, w, torch.from_numpy(a.test_x), torch.from_numpy(a.test_y))[0])
+    deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 5, 1, meta=task))  # asked again
+    assert sent[3] == sent[0] and a.rounds_trained == 1  # the same bytes, not a second training
+
+
+def test_agent_declines_with_its_policy_reason_and_rejects_anothers_task(tmp_path, monkeypatch):
+    a, sent = offline_agent(tmp_path, monkeypatch, {"source": "model", "start_pct": 10, "idle_w": 0})
+    task = {"lr": 0.1, "batch_size": 8, "steps": 1, "seed": 2}
+    deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 0, 3, meta=task))
+    assert sent == []  # addressed to client 3: ignored
+    deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 0, 1, meta=task))
+    (topic, payload), = sent
+    m = wire.decode([payload])
+    assert topic.endswith("/update/decline") and m.meta == {"reason": "battery"} and m.header.round == 0
