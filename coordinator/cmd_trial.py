@@ -170,6 +170,7 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
                                          stderr=None if progress else subprocess.STDOUT, start_new_session=True)
                 procs.append(coord)
+                print(f"started {n} agents and the coordinator; logs in {out}", file=sys.stderr, flush=True)
                 rc = coord.wait()
                 if rc != 0:
                     raise UserError(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}")

@@ -3,6 +3,7 @@ waits for events (never sleeps). Everything runs against a private mosquitto on 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from paho.mqtt import client as mqtt
 
-from edge_client import wire
+from edge_client import datasets, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"clients": 5, "model": "logreg", "partition": "shards", "seed": 3}
@@ -105,11 +106,16 @@ class Watcher:
         self.c.loop_stop()
 
 
+_load = datasets.load
+_cached_load = functools.lru_cache(maxsize=1)(_load)
+
+
 def sim_model(out: Path, rounds: int, algo: str, trace: Path | None) -> dict[str, torch.Tensor]:
     """The same run in simulation (threads 1), replaying `trace` if given, else all clients always on."""
-    from coordinator import config
+    from coordinator import config, sim
     from coordinator.sim import run_sim
     from coordinator.strategies import STRATEGIES
+
 
     argv = ["--clients", str(SETTINGS["clients"]), "--model", SETTINGS["model"], "--partition",
             SETTINGS["partition"], "--seed", str(SETTINGS["seed"]), "--steps", "2", "--lr", "0.05", "--threads", "1",
@@ -120,7 +126,11 @@ def sim_model(out: Path, rounds: int, algo: str, trace: Path | None) -> dict[str
     p = argparse.ArgumentParser()
     config.add_arguments(p, list(STRATEGIES))
     cfg = config.resolve(p.parse_args(argv), list(STRATEGIES))
-    run_sim(cfg, str(out), progress=False)
+    sim.datasets.load = _cached_load  # read FMNIST once, not per replay (run_sim never modifies it)
+    try:
+        run_sim(cfg, str(out), progress=False)
+    finally:
+        sim.datasets.load = _load
     return torch.load(out / "model.pt")
 
 

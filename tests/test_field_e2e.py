@@ -79,10 +79,10 @@ def test_trial_stops_everything_on_ctrl_c(tmp_path):
     trial = subprocess.Popen(CLI + ["trial", "--agents", "2", "--rounds", "1000", "--model", "logreg", "--steps", "2",
                                     "--out", str(out)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
     port = None
-    for line in trial.stderr:  # the coordinator's log comes through the trial's stderr
+    for line in trial.stderr:
         if line.startswith("broker "):
             port = int(line.rsplit(":", 1)[1])
-        if "agents online" in line:
+        if line.startswith("started 2 agents and the coordinator"):
             break
     trial.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
     _, err = trial.communicate(timeout=60)
