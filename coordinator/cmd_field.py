@@ -129,6 +129,8 @@ def run_field(cfg: config.SimConfig, fc, rundir: RunDir, resume: bool = False, p
     try:
         want = fc.wait_agents or cfg.data.clients
         got = hub.wait_for_agents(want, fc.wait_timeout_s)
+        if hub.connects == 0:
+            raise UserError(f"could not connect to the broker {fc.broker} within {fc.wait_timeout_s:g} s")
         if got < want:
             raise UserError(f"only {got} of {want} agents came online within {fc.wait_timeout_s:g} s "
                             f"(broker {fc.broker}); start them with `dropfl client --config FILE`")

@@ -124,12 +124,13 @@ class FieldHub:
         self.mqtt.loop_start()
 
     def stop(self, finished: bool) -> None:
-        state = "finished" if finished else "offline"
-        info = self.mqtt.publish(f"{TOPIC_ROOT}/coordinator/status", self._status(state), qos=1, retain=True)
-        try:
-            info.wait_for_publish(timeout=5)
-        except (RuntimeError, ValueError):
-            pass
+        if self.mqtt.is_connected():
+            state = "finished" if finished else "offline"
+            info = self.mqtt.publish(f"{TOPIC_ROOT}/coordinator/status", self._status(state), qos=1, retain=True)
+            try:
+                info.wait_for_publish(timeout=5)
+            except (RuntimeError, ValueError):
+                pass
         self.mqtt.disconnect()
         self.mqtt.loop_stop()
 
@@ -366,7 +367,7 @@ class MqttTransport:
         for f in wire.encode("model", run, t, -1, w, {"model": self.hub.binding.get("model")}, lim):
             self.hub.mqtt.publish(f"{TOPIC_ROOT}/model/weights", f, qos=1)
         onnx_t = torch.frombuffer(bytearray(onnx_bytes), dtype=torch.uint8)
-        for f in wire.encode("onnx", run, t, -1, onnx_t, {"opset": None}, lim):
+        for f in wire.encode("onnx", run, t, -1, onnx_t, {}, lim):
             self.hub.mqtt.publish(f"{TOPIC_ROOT}/model/onnx", f, qos=1)
 
     def _publish_task(self, task: TrainTask) -> None:
