@@ -159,7 +159,8 @@ def setup_dict(setup: Setup, taus: list[int], trials: int, root: Path) -> dict:
 def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
     ours, paper = results["ours"], results["paper"]
     head = "| method | " + " | ".join(f"τmax = {t}: ours | paper" for t in taus) + " |"
-    lines = ["# MimiC Table 3 reproduction: FMNIST test accuracy (%) after 200 model uploads", "",
+    lines = [f"# MimiC Table 3 reproduction: FMNIST test accuracy (%) after {results['setup']['rounds']} model "
+             "uploads (paper: 200)", "",
              f"Setup: {results['setup']['clients']} clients, {results['setup']['rounds']} rounds "
              f"(SCAFFOLD {results['setup']['rounds_scaffold']}), {results['setup']['trials']} trial(s), "
              f"engine {results['setup']['engine']}; ours = mean ± std over trials.", "",
