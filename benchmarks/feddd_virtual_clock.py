@@ -31,7 +31,7 @@ METHODS = ("fedavg", "fedcs", "feddd")
 
 def config(algo: str, args, profile_path: str) -> SimConfig:
     cfg = SimConfig()
-    cfg.data.dataset, cfg.data.partition, cfg.data.clients = "mnist", "iid", args.clients
+    cfg.data.dataset, cfg.data.partition, cfg.data.clients = "mnist", args.partition, args.clients
     cfg.model.model = "mlp"
     cfg.train.lr, cfg.train.batch_size, cfg.train.epochs = args.lr, 32, 1
     cfg.strategy.algo = algo
@@ -58,7 +58,8 @@ def to_markdown(res: dict) -> str:
     s, m = res["settings"], res["methods"]
     base = m["fedavg"]
     lines = [f"# FedDD on the virtual clock: time to {100 * s['target_accuracy']:.0f}% accuracy", "",
-             f"MNIST IID, {s['clients']} clients, MLP 784-200-200-10, 1 local epoch, batch 32, lr {s['lr']}, "
+             f"MNIST, partition {s['partition']}, {s['clients']} clients, MLP 784-200-200-10, 1 local epoch, "
+             f"batch 32, lr {s['lr']}, "
              f"h = 5, D_max = 0.8, A_server = 0.6, δ = 0; Table 4 rates (profile seed 0); up to {s['rounds']} rounds. "
              "Virtual time = Σ_rounds max_n(t^d + t^cmp + t^u) (eq. 12) with the bytes actually sent.", "",
              "| method | round reaching target | virtual time to target (s) | vs FedAvg | uploaded to target (MB) "
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--target", type=float, default=0.88)
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--partition", default="iid", help="iid (paper) or a dropfl non-IID partitioner, e.g. shards")
     p.add_argument("--workdir", default="runs/bench-feddd-virtual-clock")
     p.add_argument("--out", default=str(RESULTS / "feddd_virtual_clock"))
     args = p.parse_args()
@@ -96,7 +98,7 @@ def main() -> None:
         methods[algo]["wall_s"] = time.perf_counter() - start
         print(algo, json.dumps(methods[algo]), flush=True)
     fa, fd = methods["fedavg"]["virtual_s_to_target"], methods["feddd"]["virtual_s_to_target"]
-    res = {"settings": {"dataset": "mnist", "partition": "iid", "clients": args.clients, "model": "mlp",
+    res = {"settings": {"dataset": "mnist", "partition": args.partition, "clients": args.clients, "model": "mlp",
                         "rounds": args.rounds, "lr": args.lr, "batch_size": 32, "epochs": 1, "d_max": 0.8,
                         "a_server": 0.6, "full_every": 5, "delta": 0.0, "target_accuracy": args.target,
                         "profile": "table4, seed 0", "uplink_Bps_range": [float(prof.up_Bps.min()),
