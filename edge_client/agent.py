@@ -78,6 +78,7 @@ class AgentSection:
     out: str | None = None                 # directory for trace.csv (default: agents/<device_id>)
     threads: int = 1                       # torch threads for training
     slowdown_s_per_step: float = 0.0       # emulate a slower device: extra seconds per SGD step
+    uplink_limit_Bps: float = 0.0          # emulate a slow uplink: pace the update's chunks to this rate (0: off)
     exit_when_done: bool = True            # exit when the coordinator announces the run finished
     chunk_bytes: int = 256 * 1024
     max_tensor_bytes: int = 256 * 1024 ** 2
@@ -379,7 +380,13 @@ class Agent:
     def _send_update(self, run: str, rnd: int, frames: list[bytes]) -> None:
         """Publish the update's chunks, wait for the broker's PUBACKs, then report the upload time."""
         start = time.perf_counter()
-        infos = [self.mqtt.publish(f"{self.base}/update/delta", f, qos=1) for f in frames]
+        infos, sent, limit = [], 0, self.cfg.agent.uplink_limit_Bps
+        for f in frames:
+            infos.append(self.mqtt.publish(f"{self.base}/update/delta", f, qos=1))
+            sent += len(f)
+            ahead = sent / limit - (time.perf_counter() - start) if limit > 0 else 0.0
+            if ahead > 0 and self.stopping.wait(ahead):
+                return
         try:
             for info in infos:
                 info.wait_for_publish(timeout=self.cfg.agent.publish_timeout_s)

@@ -1,6 +1,6 @@
 """Faults with a real mosquitto on 127.0.0.1 and five agent processes (shared by the tests of this
-module; client 4 is a slow device, 0.5 s per SGD step). Each test runs its own coordinator process and
-waits for MQTT events, never for fixed times."""
+module; client 4 has an emulated slow uplink: its 31 KB update goes out in 4 KB chunks at 32 KB/s).
+Each test runs its own coordinator process and waits for MQTT events, never for fixed times."""
 
 import json
 import os
@@ -53,8 +53,8 @@ def field(tmp_path_factory):
     d = tmp_path_factory.mktemp("field")
     broker = Mosquitto(workdir=d / "broker")
     watcher = Watcher(broker.port)
-    configs = {i: agent_config(i, broker.url, d / "agents", **({"slowdown_s_per_step": 0.5} if i == 4 else {}))
-               for i in range(5)}
+    slow_uplink = {"uplink_limit_Bps": 32_000, "chunk_bytes": 4096}
+    configs = {i: agent_config(i, broker.url, d / "agents", **(slow_uplink if i == 4 else {})) for i in range(5)}
     agents = {i: start_agent(configs[i], d / "agents" / f"client-{i}.log") for i in range(5)}
     f = Field(d, broker, agents, configs, watcher)
     for i in range(5):
@@ -69,17 +69,17 @@ def field(tmp_path_factory):
     broker.close()
 
 
-def test_agent_killed_mid_round_is_a_dropout_and_rejoins_next_round(field):
+def test_agent_killed_mid_upload_is_a_dropout_and_rejoins_next_round(field):
     out = field.dir / "kill"
     victim, killed = field.agents[4], threading.Event()
 
-    def kill_on_task(topic, h):  # the slow agent has just been given round 1: kill it while it trains
-        if topic == "dropfl/v1/device/client-4/control" and h.run.startswith("kill-") and h.round == 1 \
-                and not killed.is_set():
+    def kill_on_first_chunk(topic, h):  # round 1's upload of the slow-link agent has begun: kill it
+        if topic == "dropfl/v1/device/client-4/update/delta" and h.run.startswith("kill-") and h.round == 1 \
+                and h.chunk == 0 and not killed.is_set():
             killed.set()
             os.killpg(victim.pid, signal.SIGKILL)
 
-    field.watcher.hooks.append(kill_on_task)
+    field.watcher.hooks.append(kill_on_first_chunk)
     mark = field.watcher.mark()
     coord = start_coordinator(coordinator_cmd(field.broker.url, out, 3, "fedavg", "--round-wait", "60"),
                               field.dir / "kill.log")
@@ -87,11 +87,11 @@ def test_agent_killed_mid_round_is_a_dropout_and_rejoins_next_round(field):
     victim.wait(timeout=10)
     field.agents[4] = start_agent(field.configs[4], field.dir / "agents" / "client-4.log")
     assert coord.wait(timeout=120) == 0
-    field.watcher.hooks.remove(kill_on_task)
+    field.watcher.hooks.remove(kill_on_first_chunk)
 
     rows = {(int(r["round"]), int(r["client"])): (r["status"], r["reason"])
             for r in read_rows(out / "participation.csv")}
-    assert rows[(1, 4)] == ("dropped", "offline")
+    assert rows[(1, 4)] == ("dropped", "offline")  # its chunks so far were never aggregated
     assert rows[(2, 4)] == ("participated", "")
     assert participants(out / "participation.csv") == {0: ALL, 1: ALL - {4}, 2: ALL}
     assert max_diff(torch.load(out / "model.pt"), sim_model(field.dir / "kill-sim", 3, "fedavg",
@@ -131,7 +131,7 @@ def test_coordinator_killed_and_resumed_matches_an_uninterrupted_run(field):
     assert max_diff(torch.load(out / "model.pt"), uninterrupted) <= 1e-5
 
 
-def test_an_upload_after_the_deadline_is_dropped_and_never_aggregated(field):
+def test_an_upload_incomplete_at_the_deadline_is_dropped_and_never_aggregated(field):
     out = field.dir / "deadline"
     coord = start_coordinator(coordinator_cmd(field.broker.url, out, 2, "fedavg") + ["--deadline", "0.6"],
                               field.dir / "deadline.log")
