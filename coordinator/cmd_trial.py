@@ -93,6 +93,8 @@ def run(args) -> int:
 
     if args.agents < 1:
         raise UserError("--agents must be >= 1")
+    if getattr(args, "data.clients", None) not in (None, args.agents):
+        raise UserError(f"--clients {getattr(args, 'data.clients')}: a trial has one client per agent (--agents)")
     setattr(args, "data.clients", args.agents)
     cfg = config.resolve(args, list(STRATEGIES))
     profiles = [s.strip() for s in args.profiles.split(",") if s.strip()]
