@@ -326,11 +326,15 @@ class Agent:
                 log(self.id, f"run {h.run} finished; exiting")
                 self.stop()
         elif h.kind == "model":
+            n = sum(p.numel() for p in self.model.parameters())
+            if msg.tensor is None or msg.tensor.dtype != torch.float32 or list(msg.tensor.shape) != [n]:
+                log(self.id, f"rejected a global model of {h.dtype} {h.shape} (expected float32 [{n}])")
+                return
             download_s = max(received - h.sent_at, 0.0)
             self.weights = (h.run, h.round, msg.tensor, download_s)
             if download_s > 0:
                 self.rates["downlink_Bps"] = h.nbytes / download_s
-        elif h.kind == "onnx":
+        elif h.kind == "onnx" and msg.tensor is not None and msg.tensor.dtype == torch.uint8:
             self.onnx = (h.run, h.round, msg.tensor.numpy().tobytes())
         elif h.kind == "task":
             self._on_task(msg)
@@ -348,9 +352,15 @@ class Agent:
         if self.cache is not None and self.cache[:2] == (h.run, h.round):
             self._send_update(h.run, h.round, self.cache[2])  # re-request after a reconnect: same update
             return
-        task = TrainTask(client=self.client_idx, round=h.round, lr=float(m["lr"]), batch_size=int(m["batch_size"]),
-                         epochs=m.get("epochs"), steps=m.get("steps"), prox_mu=float(m.get("prox_mu", 0.0)),
-                         grad_correction=msg.tensor, seed=int(m["seed"]))
+        try:
+            steps, epochs = m.get("steps"), m.get("epochs")
+            task = TrainTask(client=self.client_idx, round=h.round, lr=float(m["lr"]),
+                             batch_size=int(m["batch_size"]), epochs=None if epochs is None else int(epochs),
+                             steps=None if steps is None else int(steps), prox_mu=float(m.get("prox_mu", 0.0)),
+                             grad_correction=msg.tensor, seed=int(m["seed"]))
+        except (KeyError, TypeError, ValueError) as e:
+            log(self.id, f"rejected a malformed task for round {h.round}: {e!r}")
+            return
         self.task = (h.run, task)
 
     def _work(self) -> None:
@@ -409,12 +419,16 @@ class Agent:
         start = time.perf_counter()
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.cfg.agent.threads
-        sess = ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
-        name = sess.get_inputs()[0].name
         correct = 0
-        for i in range(0, len(self.test_y), 1000):
-            logits = sess.run(None, {name: self.test_x[i:i + 1000]})[0]
-            correct += int((logits.argmax(1) == self.test_y[i:i + 1000]).sum())
+        try:
+            sess = ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
+            name = sess.get_inputs()[0].name
+            for i in range(0, len(self.test_y), 1000):
+                logits = sess.run(None, {name: self.test_x[i:i + 1000]})[0]
+                correct += int((logits.argmax(1) == self.test_y[i:i + 1000]).sum())
+        except Exception as e:  # onnxruntime raises its own exception types for a bad or foreign model
+            log(self.id, f"round {rnd}: could not evaluate the ONNX model: {e}")
+            return
         acc = correct / max(len(self.test_y), 1)
         self._publish("update/eval", wire.encode("eval", run, rnd, self.client_idx, meta={
             "accuracy": acc, "samples": int(len(self.test_y)), "seconds": time.perf_counter() - start}))

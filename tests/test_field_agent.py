@@ -151,3 +151,11 @@ def test_agent_declines_with_its_policy_reason_and_rejects_anothers_task(tmp_pat
     (topic, payload), = sent
     m = wire.decode([payload])
     assert topic.endswith("/update/decline") and m.meta == {"reason": "battery"} and m.header.round == 0
+
+
+def test_agent_survives_malformed_tasks_models_and_onnx(tmp_path, monkeypatch):
+    a, sent = offline_agent(tmp_path, monkeypatch, {"source": "mains"})
+    deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 0, 1, meta={"lr": "fast"}))
+    deliver(a, "dropfl/v1/model/weights", wire.encode("model", "run", 0, -1, torch.zeros(3)))
+    deliver(a, "dropfl/v1/model/onnx", wire.encode("onnx", "run", 0, -1, torch.zeros(5, dtype=torch.uint8)))
+    assert a.task is None and a.weights is None and sent == [] and a.evaluated == ("run", 0)
