@@ -453,13 +453,15 @@ class MqttTransport:
         return updates, dropped
 
     def _log_round(self, r: RoundState, updates: dict[int, ClientUpdate], wall_s: float, export_s: float) -> None:
-        clients, slowest = {}, 0.0
+        clients, slowest, slowest_busy = {}, 0.0, 0.0
         for c in updates:
             meta, st = r.updates[c].meta, r.stats.get(c, {})
             parts = [meta.get("download_s"), meta.get("train_s"), st.get("upload_s")]
             total = sum(p for p in parts if p is not None)
             slowest = max(slowest, total)
+            slowest_busy = max(slowest_busy, total + (meta.get("wait_s") or 0.0))
             clients[str(c)] = {"download_s": parts[0], "train_s": parts[1], "upload_s": parts[2],
+                               "wait_s": meta.get("wait_s"),
                                "uplink_Bps": st.get("uplink_Bps"), "upload_bytes": st.get("upload_bytes"),
                                "train_samples_per_s": meta.get("train_samples_per_s"),
                                "arrived_s": r.received_at[c] - r.started}
@@ -467,6 +469,9 @@ class MqttTransport:
                "participants": len(updates), "dropped": {str(c): why for c, why in sorted(r.dropped.items())},
                "slowest_participant_s": slowest if updates else None,
                "overhead_s": wall_s - slowest if updates else None,
+               # the same without the time agents' messages waited while the device was busy (several
+               # agents per process, or an agent still evaluating): the coordinator's and broker's share
+               "overhead_excl_agent_wait_s": wall_s - slowest_busy if updates else None,
                "duplicates": r.duplicates, "rejected": r.rejected, "late_total": self.hub.late, "clients": clients}
         with self.hub.cond:
             self.hub.write_log(row)

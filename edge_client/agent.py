@@ -219,10 +219,10 @@ class Agent:
         self.connected = threading.Event()
         self._beat_now = threading.Event()
         self.t0 = time.monotonic()
-        self.weights: tuple[str, int, torch.Tensor, float] | None = None  # run, round, w, download_s
+        self.weights: tuple[str, int, torch.Tensor, float, float] | None = None  # run, round, w, download_s, at
         self.onnx: tuple[str, int, bytes] | None = None
         self.evaluated: tuple[str, int] | None = None
-        self.task: tuple[str, TrainTask] | None = None
+        self.task: tuple[str, TrainTask, float] | None = None                # run, task, received at
         self.cache: tuple[str, int, list[bytes]] | None = None            # last update, for re-sends
         self.rates = {"uplink_Bps": None, "downlink_Bps": None, "train_samples_per_s": None}
         self.rounds_trained = 0
@@ -331,15 +331,15 @@ class Agent:
                 log(self.id, f"rejected a global model of {h.dtype} {h.shape} (expected float32 [{n}])")
                 return
             download_s = max(received - h.sent_at, 0.0)
-            self.weights = (h.run, h.round, msg.tensor, download_s)
+            self.weights = (h.run, h.round, msg.tensor, download_s, received)
             if download_s > 0:
                 self.rates["downlink_Bps"] = h.nbytes / download_s
         elif h.kind == "onnx" and msg.tensor is not None and msg.tensor.dtype == torch.uint8:
             self.onnx = (h.run, h.round, msg.tensor.numpy().tobytes())
         elif h.kind == "task":
-            self._on_task(msg)
+            self._on_task(msg, received)
 
-    def _on_task(self, msg: wire.Message) -> None:
+    def _on_task(self, msg: wire.Message, received: float) -> None:
         h, m = msg.header, msg.meta
         if h.client != self.client_idx:
             log(self.id, f"rejected a task for client {h.client} (this agent is client {self.client_idx})")
@@ -361,17 +361,19 @@ class Agent:
         except (KeyError, TypeError, ValueError) as e:
             log(self.id, f"rejected a malformed task for round {h.round}: {e!r}")
             return
-        self.task = (h.run, task)
+        self.task = (h.run, task, received)
 
     def _work(self) -> None:
         ready = self.task is not None and self.weights is not None
         if ready and self.weights[:2] == (self.task[0], self.task[1].round):
-            (run, task), self.task = self.task, None
-            self._train_and_upload(run, task, self.weights[2], self.weights[3])
+            (run, task, task_at), self.task = self.task, None
+            wait_s = max(time.time() - max(task_at, self.weights[4]), 0.0)  # busy with earlier messages
+            self._train_and_upload(run, task, self.weights[2], self.weights[3], wait_s)
         if self.task is None and self.onnx is not None and self.onnx[:2] != self.evaluated:
             self._evaluate(*self.onnx)
 
-    def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float) -> None:
+    def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float,
+                          wait_s: float = 0.0) -> None:
         start = time.perf_counter()
         r = local_train(self.model, w, self.x, self.y, task)
         if self.cfg.agent.slowdown_s_per_step > 0 and self.stopping.wait(self.cfg.agent.slowdown_s_per_step * r.steps):
@@ -381,7 +383,7 @@ class Agent:
         samples = r.steps * min(task.batch_size, len(self.y))
         self.rates["train_samples_per_s"] = samples / train_s if train_s > 0 else None
         meta = {"num_samples": r.num_samples, "steps": r.steps, "loss": _finite(r.loss), "train_s": train_s,
-                "download_s": download_s, "train_samples_per_s": self.rates["train_samples_per_s"]}
+                "download_s": download_s, "wait_s": wait_s, "train_samples_per_s": self.rates["train_samples_per_s"]}
         frames = wire.encode("update", run, task.round, self.client_idx, r.delta, meta, self.limits)
         self.cache = (run, task.round, frames)
         self.rounds_trained += 1
