@@ -93,7 +93,8 @@ class FieldHub:
         self.limits = wire.Limits(chunk_bytes=cfg.chunk_bytes, max_tensor_bytes=cfg.max_tensor_bytes)
         self.reasm = wire.Reassembler(self.limits)
         self.cond = threading.Condition()
-        self.agents: dict[str, AgentInfo] = {}
+        self.agents: dict[str, AgentInfo] = {}     # by device id
+        self.by_client: dict[int, AgentInfo] = {}  # the same, by client index
         self.round: RoundState | None = None
         self.connects = 0
         self.late = 0
@@ -257,11 +258,11 @@ class FieldHub:
             if not (0 <= c < self.n):
                 log(f"ignored device {device}: client {c} outside 0..{self.n - 1}")
                 return
-            other = next((x for x in self.agents.values() if x.client == c), None)
+            other = self.by_client.get(c)
             if other is not None:
                 log(f"ignored device {device}: client {c} is already device {other.device}")
                 return
-            a = self.agents[device] = AgentInfo(device, c)
+            a = self.agents[device] = self.by_client[c] = AgentInfo(device, c)
         if state == "online":
             a.announce = meta
             diff = {k: (meta.get(k), v) for k, v in self.binding.items() if meta.get(k) != v}
@@ -292,7 +293,7 @@ class FieldHub:
 
     def client_status(self, c: int, now: float) -> str | None:
         """None if client c may take part now, else the reason."""
-        a = next((x for x in self.agents.values() if x.client == c), None)
+        a = self.by_client.get(c)
         if a is None or not self.is_online(a, now):
             return "offline"
         if a.mismatch:
@@ -315,7 +316,8 @@ class FieldHub:
             return self.online_count()
 
     def device_of(self, c: int) -> str | None:
-        return next((a.device for a in self.agents.values() if a.client == c), None)
+        a = self.by_client.get(c)
+        return None if a is None else a.device
 
 
 class FieldAvailability:
@@ -405,8 +407,7 @@ class MqttTransport:
                 now = time.monotonic()
                 gone = set()
                 for c in r.tasks:
-                    a_dev = hub.device_of(c)
-                    a = hub.agents.get(a_dev) if a_dev else None
+                    a = hub.by_client.get(c)
                     if a is None or not hub.is_online(a, now):
                         gone.add(c)  # its update (if complete) still counts; its stats will not come
                         if not r.resolved(c) and c not in r.updates:
