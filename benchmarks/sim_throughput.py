@@ -63,7 +63,10 @@ def flower_rate(data_dir: str, steps: int, rounds: int) -> dict:
     out = Path(data_dir) / "flower.json"
     cmd = [str(FLOWER_PY), str(HERE / "flower_sim.py"), "--data", data_dir, "--steps", str(steps),
            "--rounds", str(rounds), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # Ray starts its workers at niceness 15 by default; with other work on the machine that would
+    # slow Flower down unfairly, so its actors run at the same priority as our processes.
+    env = {**os.environ, "RAY_worker_niceness": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"Flower simulation failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -149,6 +152,7 @@ def main() -> None:
                     f"(paper: {PAPER_STEPS})",
         "statistic": "median over repeats; loop and dropfl interleaved with the Flower runs",
         "threads": args.threads, "dropfl_workers": batched.batched.workers, "flower_actors": 2,
+        "flower_worker_niceness": 0,
         "flops_per_step": flop, "peak_flops": peak, "peak_method": "2048x2048 fp32 matmul, best of 10",
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "flower": flower_runs,
