@@ -192,17 +192,21 @@ class Group:
 
     def _train(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
         start = time.perf_counter()
-        order = sorted(range(len(tasks)), key=lambda i: -self._num_steps(tasks[i]))
-        tasks = [tasks[i] for i in order]
         gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
         plans = [batch_plan(self.sizes[t.client], t, g) for t, g in zip(tasks, gens)]
+        # most steps first: the clients still training at any step are then a prefix
+        order = sorted(range(len(tasks)), key=lambda i: -len(plans[i]))
+        tasks, gens, plans = [tasks[i] for i in order], [gens[i] for i in order], [plans[i] for i in order]
         k_all, dev = len(tasks), self.device
         w0 = w_global.to(dev)
         # per-parameter stacks [K, *shape], all clients starting from w_global
         chunks = torch.split(w0, [s.numel() for s in self.shapes])
         params = {n: c.view(s).expand(k_all, *s).clone() for n, s, c in zip(self.names, self.shapes, chunks)}
         anchors = {n: c.view(s) for n, s, c in zip(self.names, self.shapes, chunks)}
-        col = lambda vals, s: torch.tensor(vals, dtype=w0.dtype, device=dev).view(-1, *([1] * len(s)))  # noqa: E731
+
+        def col(vals: list[float], shape: torch.Size) -> torch.Tensor:  # per-client scalars, broadcastable
+            return torch.tensor(vals, dtype=w0.dtype, device=dev).view(-1, *([1] * len(shape)))
+
         mu = [t.prox_mu for t in tasks]
         neg_lr = [-t.lr for t in tasks]
         corr = None
@@ -239,12 +243,6 @@ class Group:
             out[i] = LocalResult(deltas[j].clone(), self.sizes[tasks[j].client], steps,
                                  float(loss_sum[j]) / max(steps, 1), seconds)
         return out  # type: ignore[return-value]
-
-    def _num_steps(self, task: TrainTask) -> int:
-        n = self.sizes[task.client]
-        if n == 0:
-            return 0
-        return task.steps if task.steps is not None else (task.epochs or 0) * -(-n // task.batch_size)
 
     def _steps(self, tasks: list[TrainTask], plans: list[list[torch.Tensor]]):
         """Yield one `_Step` per step: the active prefix's padded index rows, labels, weights, sizes."""
