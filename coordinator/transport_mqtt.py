@@ -27,8 +27,9 @@ from paho.mqtt import client as mqtt
 
 from coordinator.availability import REASONS, RoundAvailability
 from coordinator.errors import UserError
+from coordinator.sparse_updates import is_sparse, sparse_problem, update_tensors
 from coordinator.strategies.base import ClientUpdate
-from edge_client import wire
+from edge_client import feddd, wire
 from edge_client.agent import TOPIC_ROOT, broker_address
 from edge_client.models import set_flat
 from edge_client.report import ClientReport
@@ -92,6 +93,7 @@ class FieldHub:
         self.cfg, self.n, self.binding, self.num_params = cfg, n_clients, binding, num_params
         self.limits = wire.Limits(chunk_bytes=cfg.chunk_bytes, max_tensor_bytes=cfg.max_tensor_bytes)
         self.reasm = wire.Reassembler(self.limits)
+        self.layout: feddd.Layout | None = None  # the model's FedDD units, to decode sparse updates (MqttTransport)
         self.cond = threading.Condition()
         self.agents: dict[str, AgentInfo] = {}     # by device id
         self.by_client: dict[int, AgentInfo] = {}  # the same, by client index
@@ -238,6 +240,14 @@ class FieldHub:
                 r.updates[c], r.received_at[c] = m, now
 
     def _invalid(self, m: wire.Message) -> str | None:
+        if is_sparse(m):  # FedDD's sparse payload (coordinator/sparse_updates.py)
+            problem = sparse_problem(self.layout, m)
+            if problem:
+                return problem
+            for k in ("num_samples", "steps"):
+                if not isinstance(m.meta.get(k), int) or m.meta[k] < 0:
+                    return f"meta {k} missing or not a non-negative integer"
+            return None
         t = m.tensor
         if t is None or t.dtype != torch.float32 or list(t.shape) != [self.num_params]:
             return f"expected a float32 tensor of shape [{self.num_params}], got {m.header.dtype} {m.header.shape}"
@@ -363,6 +373,8 @@ class MqttTransport:
 
     def __init__(self, hub: FieldHub, model: torch.nn.Module, input_shape: tuple[int, ...], onnx_path: Path):
         self.hub, self.model, self.input_shape, self.onnx_path = hub, model, input_shape, onnx_path
+        hub.layout = feddd.unit_layout(model)
+        self.stats: dict[str, float] = {}
 
     def _publish_model(self, t: int, w: torch.Tensor, onnx_bytes: bytes) -> None:
         run, lim = self.hub.cfg.run_id, self.hub.limits
@@ -378,15 +390,14 @@ class MqttTransport:
             return
         meta = {"lr": task.lr, "batch_size": task.batch_size, "epochs": task.epochs, "steps": task.steps,
                 "prox_mu": task.prox_mu, "seed": task.seed}
+        if task.dropout_rate is not None:  # FedDD: upload 1 − D of the model, sparse (docs/protocol.md)
+            meta |= {"dropout_rate": task.dropout_rate, "sparse_download": task.sparse_download}
         for f in wire.encode("task", self.hub.cfg.run_id, task.round, task.client, task.grad_correction, meta,
                              self.hub.limits):
             self.hub.mqtt.publish(f"{TOPIC_ROOT}/device/{device}/control", f, qos=1)
 
     def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]
                   ) -> tuple[dict[int, ClientUpdate], dict[int, str]]:
-        for task in tasks:
-            if getattr(task, "dropout_rate", None) is not None or getattr(task, "sparse_download", False):
-                raise UserError("field mode does not carry FedDD's partial uploads yet; choose another --algo")
         hub, start = self.hub, time.monotonic()
         x0 = time.perf_counter()
         onnx_bytes = export_onnx(self.model, w, self.input_shape)
@@ -443,15 +454,24 @@ class MqttTransport:
                 continue
             st, meta = r.stats.get(task.client, {}), m.meta
             down_s = meta.get("download_s") or 0.0
+            # measured by the agent on this round's real transfers and training (FedDD, FedCS consume them)
             report = ClientReport(compute_s=meta.get("train_s"), up_Bps=st.get("uplink_Bps"),
                                   down_Bps=(w.numel() * 4 / down_s) if down_s > 0 else None,
-                                  upload_bytes=m.header.nbytes, download_bytes=w.numel() * 4)
-            updates[task.client] = ClientUpdate(task.client, m.tensor, int(meta["num_samples"]), int(meta["steps"]),
+                                  upload_bytes=m.header.nbytes, download_bytes=w.numel() * 4,
+                                  label_score=meta.get("label_score"))
+            delta, mask = update_tensors(hub.layout, m, w)
+            updates[task.client] = ClientUpdate(task.client, delta, int(meta["num_samples"]), int(meta["steps"]),
                                                 task.lr, float("nan") if meta.get("loss") is None else meta["loss"],
-                                                report=report)
+                                                mask=mask, report=report)
+        self.stats = {"upload_bytes": float(sum(u.report.upload_bytes for u in updates.values())),
+                      "download_bytes": float(sum(u.report.download_bytes for u in updates.values()))}
         self._log_round(r, updates, wall_s, export_s)
         dropped = {c: why for c, why in r.dropped.items() if c not in updates}
         return updates, dropped
+
+    def round_stats(self) -> dict[str, float]:
+        """Tensor bytes of this round's aggregated uploads and their downloads, for metrics.jsonl."""
+        return self.stats
 
     def _log_round(self, r: RoundState, updates: dict[int, ClientUpdate], wall_s: float, export_s: float) -> None:
         clients, slowest, slowest_busy = {}, 0.0, 0.0

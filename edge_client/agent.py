@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from paho.mqtt import client as mqtt
 
-from edge_client import datasets, partition, wire
+from edge_client import datasets, feddd, partition, wire
 from edge_client.battery import BatteryConfig, BatteryError, make_battery
 from edge_client.models import build_model
 from edge_client.monitor import PolicyConfig, decide, device_facts, system_sample
@@ -213,6 +213,9 @@ class Agent:
             raise AgentError(str(e)) from None
         self.limits = wire.Limits(chunk_bytes=cfg.agent.chunk_bytes, max_tensor_bytes=cfg.agent.max_tensor_bytes)
         self.reasm = wire.Reassembler(self.limits)
+        self.layout = feddd.unit_layout(self.model)                    # FedDD: channels/neurons of the model
+        self.label_score = feddd.label_score(self.y, ds.num_classes)   # FedDD q_n, sent with every update
+        self.feddd_memory: tuple[str, feddd.Memory] | None = None      # run, last upload (eq. 5)
         self.base = f"{TOPIC_ROOT}/device/{self.id}"
         self.inbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -353,11 +356,15 @@ class Agent:
             self._send_update(h.run, h.round, self.cache[2])  # re-request after a reconnect: same update
             return
         try:
-            steps, epochs = m.get("steps"), m.get("epochs")
+            steps, epochs, rate = m.get("steps"), m.get("epochs"), m.get("dropout_rate")
             task = TrainTask(client=self.client_idx, round=h.round, lr=float(m["lr"]),
                              batch_size=int(m["batch_size"]), epochs=None if epochs is None else int(epochs),
                              steps=None if steps is None else int(steps), prox_mu=float(m.get("prox_mu", 0.0)),
-                             grad_correction=msg.tensor, seed=int(m["seed"]))
+                             grad_correction=msg.tensor, seed=int(m["seed"]),
+                             dropout_rate=None if rate is None else float(rate),
+                             sparse_download=bool(m.get("sparse_download", False)))
+            if task.dropout_rate is not None and not 0.0 <= task.dropout_rate <= 1.0:
+                raise ValueError(f"dropout_rate {task.dropout_rate} outside [0, 1]")
         except (KeyError, TypeError, ValueError) as e:
             log(self.id, f"rejected a malformed task for round {h.round}: {e!r}")
             return
@@ -375,7 +382,14 @@ class Agent:
     def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float,
                           wait_s: float = 0.0) -> None:
         start = time.perf_counter()
-        r = local_train(self.model, w, self.x, self.y, task)
+        sparse_payload = None
+        if task.dropout_rate is None:
+            r = local_train(self.model, w, self.x, self.y, task)
+        else:  # FedDD: Algorithm 2's mask, the kept values as a sparse payload (edge_client/feddd.py)
+            memory = self.feddd_memory[1] if self.feddd_memory and self.feddd_memory[0] == run else None
+            out, memory = feddd.client_round(self.model, self.layout, w, self.x, self.y, task, memory)
+            self.feddd_memory, r = (run, memory), out.result
+            sparse_payload = feddd.encode_sparse(self.layout, memory.masks, memory.w_local)
         if self.cfg.agent.slowdown_s_per_step > 0 and self.stopping.wait(self.cfg.agent.slowdown_s_per_step * r.steps):
             return
         train_s = time.perf_counter() - start
@@ -384,7 +398,12 @@ class Agent:
         self.rates["train_samples_per_s"] = samples / train_s if train_s > 0 else None
         meta = {"num_samples": r.num_samples, "steps": r.steps, "loss": _finite(r.loss), "train_s": train_s,
                 "download_s": download_s, "wait_s": wait_s, "train_samples_per_s": self.rates["train_samples_per_s"]}
-        frames = wire.encode("update", run, task.round, self.client_idx, r.delta, meta, self.limits)
+        body = r.delta
+        if sparse_payload is not None:
+            body = torch.frombuffer(bytearray(sparse_payload), dtype=torch.uint8)
+            meta |= {"encoding": feddd.WIRE_ENCODING, "dropout_rate": task.dropout_rate,
+                     "label_score": self.label_score}
+        frames = wire.encode("update", run, task.round, self.client_idx, body, meta, self.limits)
         self.cache = (run, task.round, frames)
         self.rounds_trained += 1
         self._send_update(run, task.round, frames)

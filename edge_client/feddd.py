@@ -30,6 +30,7 @@ from edge_client.models import get_flat
 from edge_client.trainer import LocalResult, TrainTask, local_train
 
 MAGIC = b"FDS1"
+WIRE_ENCODING = "feddd-sparse-1"  # `meta.encoding` of an MQTT update whose body is this payload (docs/protocol.md)
 _HEAD = struct.Struct("<4sII")
 EPS = 1e-12  # |W| below this is replaced by ±EPS in eq. (20)'s division (the paper leaves W = 0 open)
 
