@@ -209,6 +209,7 @@ class Group:
 
         mu = [t.prox_mu for t in tasks]
         neg_lr = [-t.lr for t in tasks]
+        same_lr = len(set(neg_lr)) == 1  # the usual case; a broadcast addcmul_ is ~3x slower than add_
         corr = None
         if any(t.grad_correction is not None for t in tasks):
             c = torch.stack([t.grad_correction if t.grad_correction is not None else torch.zeros_like(w_global)
@@ -233,7 +234,10 @@ class Group:
                         g = g + col(mu[:k], s) * (p[:k] - anchors[n])
                     if corr is not None:                       # SCAFFOLD: g + (c − c_i)
                         g = g + corr[n][:k]
-                    p[:k].addcmul_(g, col(neg_lr[:k], s))      # w ← w − lr·g
+                    if same_lr:                                # w ← w − lr·g, as p.add_(g, alpha=−lr)
+                        p[:k].add_(g, alpha=neg_lr[0])
+                    else:
+                        p[:k].addcmul_(g, col(neg_lr[:k], s))
         flat = torch.cat([p.reshape(k_all, -1) for p in params.values()], 1)
         deltas = (w0.unsqueeze(0) - flat).cpu()
         seconds = time.perf_counter() - start
