@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from paho.mqtt import client as mqtt
 
+from coordinator import field_checks
 from coordinator.availability import REASONS, RoundAvailability
 from coordinator.errors import UserError
 from coordinator.sparse_updates import is_sparse, sparse_problem, update_tensors
@@ -75,6 +76,7 @@ class RoundState:
     rejoined: set[int] = field(default_factory=set)
     duplicates: int = 0
     rejected: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)  # messages rejected during the round, by code
     closed: bool = False
 
     def resolved(self, c: int) -> bool:
@@ -100,6 +102,8 @@ class FieldHub:
         self.round: RoundState | None = None
         self.connects = 0
         self.late = 0
+        self.rejects: dict[str, int] = {}  # the run's rejected messages, by code (docs/protocol.md)
+        self.max_update_bytes = field_checks.max_update_bytes(num_params)
         self.field_log = rundir_path / "field.jsonl"
         self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
                                 client_id=f"dropfl-coordinator-{uuid.uuid4().hex[:8]}", clean_session=True)
@@ -156,6 +160,14 @@ class FieldHub:
         with open(self.field_log, "a") as f:
             f.write(json.dumps(row) + "\n")
 
+    def _reject(self, device: str, sub: str, code: str, reason: str) -> None:
+        """Log a rejected message with its reason and count it by code (field.jsonl `rejects`)."""
+        self.rejects[code] = self.rejects.get(code, 0) + 1
+        r = self.round
+        if r is not None and not r.closed:
+            r.rejects[code] = r.rejects.get(code, 0) + 1
+        log(f"{'' if r is None else f'round {r.t}: '}rejected {sub} of {device} [{code}]: {reason}")
+
     # --- messages (paho network thread) ---
     def _on_message(self, client, userdata, msg) -> None:
         parts = msg.topic.split("/")
@@ -165,16 +177,24 @@ class FieldHub:
         with self.cond:
             try:
                 self._dispatch(device, sub, msg.payload, bool(msg.retain))
+            except Exception as e:  # a bug, not bad input (that is a reject): keep paho's network thread alive
+                self._reject(device, sub, "internal", f"{type(e).__name__}: {e} (a coordinator bug; please report)")
             finally:
                 self.cond.notify_all()
 
     def _dispatch(self, device: str, sub: str, payload: bytes, retained: bool) -> None:
         now = time.monotonic()
         if sub in ("status", "heartbeat"):
-            try:
-                m = wire.decode([payload], self.limits, kinds=(sub,))
+            known = self.agents.get(device)
+            try:  # a known device keeps the client index it announced first
+                m = wire.decode([payload], self.limits, kinds=(sub,), max_nbytes=0,
+                                client=None if known is None else known.client)
             except wire.WireError as e:
-                log(f"rejected {sub} of {device}: {e.reason}")
+                self._reject(device, sub, e.code, e.reason)
+                return
+            problem = field_checks.status_device(m, device) if sub == "status" else None
+            if problem:
+                self._reject(device, sub, *problem)
                 return
             if sub == "status":
                 self._on_status(device, m, retained)
@@ -184,16 +204,21 @@ class FieldHub:
             return
         a = self.agents.get(device)
         if a is None:
-            log(f"ignored {sub} of unannounced device {device}")
+            self._reject(device, sub, field_checks.DEVICE, "the device has not announced itself (no online status)")
             return
         r = self.round
         if sub == "update/eval":
             try:
-                m = wire.decode([payload], self.limits, client=a.client, kinds=("eval",))
+                m = wire.decode([payload], self.limits, run=self.cfg.run_id, client=a.client, kinds=("eval",),
+                                max_nbytes=0)
             except wire.WireError as e:
-                log(f"rejected eval of {device}: {e.reason}")
+                self._reject(device, sub, e.code, e.reason)
                 return
-            self.write_log({"event": "eval", "round": m.header.round, "client": a.client} | m.meta)
+            fields, problem = field_checks.eval_meta(m)
+            if problem:
+                self._reject(device, sub, *problem)
+                return
+            self.write_log({"event": "eval", "round": m.header.round, "client": a.client} | fields)
             return
         kinds = {"update/delta": ("update",), "update/stats": ("stats",), "update/decline": ("decline",)}.get(sub)
         if kinds is None:
@@ -202,10 +227,11 @@ class FieldHub:
             self.late += 1
             return
         try:
-            m = self.reasm.add(payload, client=a.client, kinds=kinds)
+            m = self.reasm.add(payload, client=a.client, kinds=kinds,
+                               max_nbytes=self.max_update_bytes if kinds == ("update",) else 0)
         except wire.WireError as e:
             r.rejected += 1
-            log(f"round {r.t}: rejected {sub} of {device}: {e.reason}")
+            self._reject(device, sub, e.code, e.reason)
             if a.client in r.tasks and not r.resolved(a.client) and a.client not in r.updates:
                 r.dropped[a.client] = "rejected"
             return
@@ -215,7 +241,7 @@ class FieldHub:
             wire.check_binding(m.header, run=self.cfg.run_id, round=r.t)
         except wire.WireError as e:  # another run's or an earlier round's: late, never aggregated
             self.late += 1
-            log(f"round {r.t}: discarded {sub} of {device} ({e.reason}: late or stale)")
+            self._reject(device, sub, e.code, f"{e.reason} (late, stale or replayed)")
             return
         if a.client not in r.tasks:
             return
@@ -225,17 +251,22 @@ class FieldHub:
             if c not in r.updates:
                 r.dropped.setdefault(c, reason if reason in REASONS else "declined")
         elif m.kind == "stats":
-            r.stats.setdefault(c, m.meta)
+            problem = field_checks.stats(m)
+            if problem:  # the update (if valid) still counts, without the upload rates
+                self._reject(device, sub, *problem)
+            r.stats.setdefault(c, {} if problem else m.meta)
         elif c in r.updates:
             r.duplicates += 1
         elif c in r.dropped:
             log(f"round {r.t}: discarded the update of {device}, already dropped ({r.dropped[c]})")
         else:
-            problem = self._invalid(m)
+            problem = field_checks.update(m, self.num_params, a.announce.get("num_samples"))
+            if problem is None and (invalid := self._invalid(m)):
+                problem = (field_checks.PAYLOAD, invalid)
             if problem:
                 r.rejected += 1
                 r.dropped[c] = "rejected"
-                log(f"round {r.t}: rejected the update of {device}: {problem}")
+                self._reject(device, sub, *problem)
             else:
                 r.updates[c], r.received_at[c] = m, now
 
@@ -266,11 +297,11 @@ class FieldHub:
             if state != "online":
                 return
             if not (0 <= c < self.n):
-                log(f"ignored device {device}: client {c} outside 0..{self.n - 1}")
+                self._reject(device, "status", wire.WRONG_CLIENT, f"client {c} outside 0..{self.n - 1}")
                 return
             other = self.by_client.get(c)
             if other is not None:
-                log(f"ignored device {device}: client {c} is already device {other.device}")
+                self._reject(device, "status", wire.WRONG_CLIENT, f"client {c} is already device {other.device}")
                 return
             a = self.agents[device] = self.by_client[c] = AgentInfo(device, c)
         if state == "online":
@@ -464,13 +495,15 @@ class MqttTransport:
                                                 task.lr, float("nan") if meta.get("loss") is None else meta["loss"],
                                                 mask=mask, report=report)
         self.stats = {"upload_bytes": float(sum(u.report.upload_bytes for u in updates.values())),
-                      "download_bytes": float(sum(u.report.download_bytes for u in updates.values()))}
+                      "download_bytes": float(sum(u.report.download_bytes for u in updates.values())),
+                      "rejected_messages": float(sum(r.rejects.values()))}  # all codes; by code in field.jsonl
         self._log_round(r, updates, wall_s, export_s)
         dropped = {c: why for c, why in r.dropped.items() if c not in updates}
         return updates, dropped
 
     def round_stats(self) -> dict[str, float]:
-        """Tensor bytes of this round's aggregated uploads and their downloads, for metrics.jsonl."""
+        """Tensor bytes of this round's aggregated uploads and their downloads, and the messages rejected
+        during the round, for metrics.jsonl."""
         return self.stats
 
     def _log_round(self, r: RoundState, updates: dict[int, ClientUpdate], wall_s: float, export_s: float) -> None:
@@ -493,6 +526,8 @@ class MqttTransport:
                # the same without the time agents' messages waited while the device was busy (several
                # agents per process, or an agent still evaluating): the coordinator's and broker's share
                "overhead_excl_agent_wait_s": wall_s - slowest_busy if updates else None,
-               "duplicates": r.duplicates, "rejected": r.rejected, "late_total": self.hub.late, "clients": clients}
+               "duplicates": r.duplicates, "rejected": r.rejected, "rejects": dict(r.rejects),
+               "late_total": self.hub.late, "clients": clients}
         with self.hub.cond:
+            row["rejects_total"] = dict(self.hub.rejects)
             self.hub.write_log(row)

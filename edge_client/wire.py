@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import time
 from collections import OrderedDict
@@ -29,16 +30,23 @@ KINDS = ("status", "heartbeat", "task", "model", "onnx", "update", "decline", "s
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
           "uint8": torch.uint8, "bool": torch.bool}
 _PREFIX = struct.Struct(">4sI")
+MAX_DIMS = 32  # dimensions of a tensor's shape
 _REQUIRED = {"v": int, "run": str, "round": int, "client": int, "kind": str, "nbytes": int, "sha256": str,
              "chunk": int, "chunks": int, "chunk_sha256": str, "meta": dict}
 
 
-class WireError(ValueError):
-    """A message was rejected; `reason` says why in one line."""
+# Reject codes (WireError.code): the short reason a receiver counts rejects by (docs/protocol.md).
+MALFORMED, VERSION, TOO_LARGE, CHECKSUM = "malformed", "version", "too_large", "checksum"
+WRONG_RUN, WRONG_ROUND, WRONG_CLIENT, WRONG_KIND = "run", "round", "client", "kind"
 
-    def __init__(self, reason: str):
+
+class WireError(ValueError):
+    """A message was rejected; `reason` says why in one line, `code` is its short category."""
+
+    def __init__(self, reason: str, code: str = MALFORMED):
         super().__init__(reason)
         self.reason = reason
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -131,41 +139,48 @@ def decode_frame(data: bytes, limits: Limits = Limits()) -> tuple[Header, bytes]
         raise WireError(f"bad magic {magic!r} (expected {MAGIC!r}): not a dropfl message")
     if hlen > limits.max_header_bytes or _PREFIX.size + hlen > len(data):
         raise WireError(f"header length {hlen} is out of bounds (frame {len(data)} bytes, "
-                        f"limit {limits.max_header_bytes})")
+                        f"limit {limits.max_header_bytes})", TOO_LARGE if hlen > limits.max_header_bytes else MALFORMED)
     try:
         raw = json.loads(data[_PREFIX.size:_PREFIX.size + hlen].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"header is not UTF-8 JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also ints of > 4300 digits
+        raise WireError(f"header is not UTF-8 JSON ({str(e)[:200]})") from None
     if not isinstance(raw, dict):
         raise WireError("header is not a JSON object")
     if raw.get("v") != SCHEMA_VERSION:
-        raise WireError(f"schema version {raw.get('v')!r} is not supported (this side speaks {SCHEMA_VERSION})")
+        raise WireError(f"schema version {repr(raw.get('v'))[:20]} is not supported "
+                        f"(this side speaks {SCHEMA_VERSION})", VERSION)
     for k, typ in _REQUIRED.items():
         if not isinstance(raw.get(k), typ) or isinstance(raw.get(k), bool) and typ is int:
             raise WireError(f"header field {k!r} is missing or not a {typ.__name__}")
     unknown = set(raw) - set(Header.__dataclass_fields__)
     if unknown:
         raise WireError(f"header has unknown fields {sorted(unknown)}")
+    sent_at = raw.get("sent_at", 0.0)
+    if not isinstance(sent_at, int | float) or isinstance(sent_at, bool) or not math.isfinite(sent_at):
+        raise WireError("header field 'sent_at' is not a finite number")
     h = Header(**raw)
     body = data[_PREFIX.size + hlen:]
     if h.kind not in KINDS:
-        raise WireError(f"unknown kind {h.kind!r}")
-    if not (0 <= h.nbytes <= limits.max_tensor_bytes):
-        raise WireError(f"tensor of {h.nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
+        raise WireError(f"unknown kind {h.kind[:40]!r}")
+    if h.nbytes < 0:
+        raise WireError(f"negative tensor size {h.nbytes}")
+    if h.nbytes > limits.max_tensor_bytes:
+        raise WireError(f"tensor of {h.nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}", TOO_LARGE)
     if not (1 <= h.chunks <= max(1, h.nbytes) and 0 <= h.chunk < h.chunks):
         raise WireError(f"chunk {h.chunk} of {h.chunks} is out of range for {h.nbytes} bytes")
     if h.nbytes:
-        if h.dtype not in DTYPES:
-            raise WireError(f"dtype {h.dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
-        if not isinstance(h.shape, list) or not all(isinstance(d, int) and d >= 0 for d in h.shape):
-            raise WireError(f"shape {h.shape!r} is not a list of non-negative integers")
+        if not isinstance(h.dtype, str) or h.dtype not in DTYPES:
+            raise WireError(f"dtype {str(h.dtype)[:40]!r} is not allowed (allowed: {', '.join(DTYPES)})")
+        if not isinstance(h.shape, list) or len(h.shape) > MAX_DIMS or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in h.shape):
+            raise WireError(f"shape {str(h.shape)[:80]} is not a list of at most {MAX_DIMS} non-negative integers")
         itemsize = torch.empty((), dtype=DTYPES[h.dtype]).element_size()
-        if int(np.prod(h.shape, dtype=np.int64)) * itemsize != h.nbytes:
+        if math.prod(h.shape) * itemsize != h.nbytes:  # Python ints: no int64 wrap-around
             raise WireError(f"shape {h.shape} of {h.dtype} does not hold {h.nbytes} bytes")
     if len(body) > h.nbytes:
         raise WireError(f"chunk body of {len(body)} bytes is larger than the tensor ({h.nbytes} bytes)")
     if _sha(body) != h.chunk_sha256:
-        raise WireError(f"checksum mismatch in chunk {h.chunk}/{h.chunks} (corrupted in transit)")
+        raise WireError(f"checksum mismatch in chunk {h.chunk}/{h.chunks} (corrupted in transit)", CHECKSUM)
     return h, body
 
 
@@ -173,20 +188,20 @@ def check_binding(h: Header, run: str | None = None, round: int | None = None, c
                   kinds: tuple[str, ...] | None = None) -> None:
     """Reject a message bound to another run, round or client, or of an unexpected kind."""
     if run is not None and h.run != run:
-        raise WireError(f"wrong run id {h.run!r} (expected {run!r})")
+        raise WireError(f"wrong run id {h.run[:80]!r} (expected {run!r})", WRONG_RUN)
     if round is not None and h.round != round:
-        raise WireError(f"wrong round {h.round} (expected {round})")
+        raise WireError(f"wrong round {h.round} (expected {round})", WRONG_ROUND)
     if client is not None and h.client != client:
-        raise WireError(f"wrong client {h.client} (expected {client})")
+        raise WireError(f"wrong client {h.client} (expected {client})", WRONG_CLIENT)
     if kinds is not None and h.kind not in kinds:
-        raise WireError(f"unexpected kind {h.kind!r} here (expected {' or '.join(kinds)})")
+        raise WireError(f"unexpected kind {h.kind!r} here (expected {' or '.join(kinds)})", WRONG_KIND)
 
 
 def _assemble(h: Header, body: bytes) -> Message:
     if len(body) != h.nbytes:
         raise WireError(f"reassembled {len(body)} bytes, header says {h.nbytes}")
     if _sha(body) != h.sha256:
-        raise WireError("checksum mismatch of the reassembled tensor")
+        raise WireError("checksum mismatch of the reassembled tensor", CHECKSUM)
     if not h.nbytes:
         return Message(h, None)
     arr = np.frombuffer(body, dtype=np.dtype(h.dtype).newbyteorder("<")).astype(np.dtype(h.dtype), copy=True)
@@ -202,9 +217,13 @@ class Reassembler:
         self.pending: OrderedDict[tuple, tuple[Header, dict[int, bytes]]] = OrderedDict()
 
     def add(self, data: bytes, run: str | None = None, round: int | None = None,
-            client: int | None = None, kinds: tuple[str, ...] | None = None) -> Message | None:
+            client: int | None = None, kinds: tuple[str, ...] | None = None,
+            max_nbytes: int | None = None) -> Message | None:
+        """`max_nbytes`: reject a larger tensor at its first frame, before any chunk of it is kept."""
         h, body = decode_frame(data, self.limits)
         check_binding(h, run, round, client, kinds)
+        if max_nbytes is not None and h.nbytes > max_nbytes:
+            raise WireError(f"tensor of {h.nbytes} bytes exceeds the {max_nbytes} bytes expected here", TOO_LARGE)
         if h.chunks == 1:
             return _assemble(h, body)
         key = (h.run, h.round, h.client, h.kind, h.sha256)
@@ -215,6 +234,9 @@ class Reassembler:
         first, parts = self.pending[key]
         if (h.nbytes, h.chunks, h.dtype, h.shape) != (first.nbytes, first.chunks, first.dtype, first.shape):
             raise WireError(f"chunk {h.chunk}/{h.chunks} disagrees with the first chunk's header")
+        if h.chunk not in parts and sum(map(len, parts.values())) + len(body) > h.nbytes:
+            del self.pending[key]  # chunks that add up to more than the tensor: never buffer past nbytes
+            raise WireError(f"chunks of a {h.nbytes}-byte tensor hold more than {h.nbytes} bytes")
         parts.setdefault(h.chunk, body)
         if len(parts) < h.chunks:
             return None
