@@ -27,7 +27,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Mosquitto:
     """`with Mosquitto() as b: ... b.url` — started on a free 127.0.0.1 port, stopped on exit."""
 
-    def __init__(self, port: int | None = None, workdir: str | Path | None = None, timeout_s: float = 10.0):
+    def __init__(self, port: int | None = None, workdir: str | Path | None = None, timeout_s: float = 10.0,
+                 hosts: tuple[str, ...] | list[str] = ()):
         exe = shutil.which("mosquitto") or (MOSQUITTO if os.path.exists(MOSQUITTO) else None)
         if exe is None:
             raise UserError("mosquitto not found: install the Debian package (apt-get install mosquitto)")
@@ -44,7 +45,9 @@ class Mosquitto:
             "persistence false\n"
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\nlog_type information\n"
-            "max_queued_messages 100000\n")
+            "max_queued_messages 100000\n"
+            # also on these addresses (the host ends of the link-emulation veths, coordinator/netem.py)
+            + "".join(f"listener {self.port} {h}\n" for h in hosts))
         self.proc: subprocess.Popen | None = None
         self.start()
 

@@ -10,7 +10,7 @@ from coordinator.errors import UserError
 
 SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision", "edge_client.agent",
                "coordinator.cmd_field", "coordinator.cmd_report",
-               "coordinator.cmd_trial", "coordinator.cmd_reproduce"]
+               "coordinator.cmd_trial", "coordinator.cmd_reproduce", "coordinator.netem"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ Replay: `dropfl sim --availability replay --trace RUN/participation.csv` with th
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -84,6 +85,9 @@ def add_parser(sub) -> None:
     g.add_argument("--heartbeat", type=float, default=0.5, help="agents' heartbeat period in seconds (default: 0.5)")
     g.add_argument("--max-slowdown", type=float, default=0.0,
                    help="emulated slow devices: agent i spends i/(N-1) times this many extra seconds per SGD step")
+    g.add_argument("--links", metavar="FILE", default=None,
+                   help="emulated links: each agent in its own network namespace with tc tbf rate limits (and "
+                        "outages) from a profile or network trace; root only (docs/links.md)")
     g.add_argument("--no-progress", action="store_true", help="no progress output")
     p.set_defaults(func=run)
 
@@ -104,7 +108,8 @@ def run(args) -> int:
     out = Path(cfg.run.out or f"runs/trial-{cfg.strategy.algo}-{cfg.data.dataset}-a{args.agents}-s{cfg.run.seed}")
     cfg.run.out = str(out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = run_trial(cfg, out, profiles, args.deadline, args.heartbeat, args.max_slowdown, not args.no_progress)
+    summary = run_trial(cfg, out, profiles, args.deadline, args.heartbeat, args.max_slowdown, not args.no_progress,
+                        links=args.links)
     print(summary)
     return 0
 
@@ -143,26 +148,31 @@ def _interrupt(signum, frame):
 
 
 def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s: float, heartbeat_s: float,
-              max_slowdown: float, progress: bool) -> str:
+              max_slowdown: float, progress: bool, links: str | Path | None = None) -> str:
     from coordinator.broker import Mosquitto
+    from coordinator.netem import Links, load_links
 
     n = cfg.data.clients
+    net = Links(load_links(links, n)) if links else None  # link emulation (coordinator/netem.py)
     procs: list[subprocess.Popen] = []
     logs = []
     old = signal.signal(signal.SIGTERM, _interrupt)
     py = [sys.executable, "-m", "coordinator.cli"]
     try:
-        with tempfile.TemporaryDirectory(prefix="dropfl-trial-") as tmp, Mosquitto(workdir=tmp) as broker:
+        with tempfile.TemporaryDirectory(prefix="dropfl-trial-") as tmp, (net or contextlib.nullcontext()), \
+                Mosquitto(workdir=tmp, hosts=net.hosts if net else ()) as broker:
             print(f"broker {broker.url}", file=sys.stderr, flush=True)
             try:  # processes stop before the broker does: agents still publish their offline status
                 for i in range(n):
                     adir = out / "agents" / f"client-{i}"
                     adir.mkdir(parents=True, exist_ok=True)
                     slow = max_slowdown * i / max(n - 1, 1)
-                    ac = agent_config(cfg, i, broker.url, adir, profiles[i % len(profiles)], heartbeat_s, slow)
+                    url = f"mqtt://{net.host_address(i)}:{broker.port}" if net else broker.url
+                    ac = agent_config(cfg, i, url, adir, profiles[i % len(profiles)], heartbeat_s, slow)
                     (adir / "agent.json").write_text(json.dumps(ac, indent=2) + "\n")
                     logs.append(open(adir / "agent.log", "w"))
-                    procs.append(subprocess.Popen(py + ["client", "--config", str(adir / "agent.json")],
+                    prefix = net.exec_prefix(i) if net else []  # inside agent i's network namespace
+                    procs.append(subprocess.Popen(prefix + py + ["client", "--config", str(adir / "agent.json")],
                                                   stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
                 trial_cfg = out / "trial-config.json"
                 trial_cfg.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -172,6 +182,8 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
                                          stderr=None if progress else subprocess.STDOUT, start_new_session=True)
                 procs.append(coord)
+                if net:
+                    net.start_clock()  # trace time 0 = the coordinator's start
                 print(f"started {n} agents and the coordinator; logs in {out}", file=sys.stderr, flush=True)
                 rc = coord.wait()
                 if rc != 0:
@@ -183,6 +195,9 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                         pass
             finally:
                 _stop_all(procs)
+                if net:
+                    (out / "links.json").write_text(json.dumps(net.plan.to_json() | {"applied": [
+                        {"at_s": at} | vars(e) for at, e in net.applied]}, indent=1) + "\n")
     finally:
         _stop_all(procs)
         for f in logs:

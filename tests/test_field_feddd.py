@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fieldkit import CLI, ROOT, kill_group, start_agent
 from paho.mqtt import client as mqtt
 
 from coordinator.broker import Mosquitto
@@ -17,7 +18,6 @@ from coordinator.participation import read_rows
 from coordinator.rundir import read_metrics
 from edge_client import feddd, wire
 from edge_client.models import build_model
-from fieldkit import CLI, ROOT, kill_group, start_agent
 
 N = 3
 SEED = 3
