@@ -290,6 +290,8 @@ class Links:
     def teardown(self) -> None:
         self._stop.set()
         with self._lock:
+            for i in range(len(self.created)):  # deleting one end deletes the pair at once; a namespace
+                subprocess.run(["ip", "link", "del", self.host_dev(i)], capture_output=True)  # goes lazily
             for ns in self.created:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             self.created = []
