@@ -88,6 +88,10 @@ def add_parser(sub) -> None:
     g.add_argument("--links", metavar="FILE", default=None,
                    help="emulated links: each agent in its own network namespace with tc tbf rate limits (and "
                         "outages) from a profile or network trace; root only (docs/links.md)")
+    g.add_argument("--broker-dir", metavar="DIR", default=None,
+                   help="run on a provisioned broker (`dropfl provision init DIR`) instead of a private anonymous "
+                        "one: its mosquitto.conf (TLS, passwords, ACL) on its port, the coordinator's account, and "
+                        "device client-<i>'s bundle for agent i (added if missing); docs/provisioning.md")
     g.add_argument("--no-progress", action="store_true", help="no progress output")
     p.set_defaults(func=run)
 
@@ -109,7 +113,7 @@ def run(args) -> int:
     cfg.run.out = str(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = run_trial(cfg, out, profiles, args.deadline, args.heartbeat, args.max_slowdown, not args.no_progress,
-                        links=args.links)
+                        links=args.links, broker_dir=args.broker_dir)
     print(summary)
     return 0
 
@@ -148,11 +152,16 @@ def _interrupt(signum, frame):
 
 
 def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s: float, heartbeat_s: float,
-              max_slowdown: float, progress: bool, links: str | Path | None = None) -> str:
+              max_slowdown: float, progress: bool, links: str | Path | None = None,
+              broker_dir: str | Path | None = None) -> str:
     from coordinator.broker import Mosquitto
     from coordinator.netem import Links, load_links
+    from coordinator.trial_tls import ProvisionedBroker, device_agent_keys, write_private
 
     n = cfg.data.clients
+    if broker_dir and links:
+        raise UserError("--broker-dir cannot be combined with --links (the provisioned broker's listener is its own)")
+    tls = device_agent_keys(broker_dir, n) if broker_dir else None  # agent i: device client-<i>'s bundle keys
     net = Links(load_links(links, n)) if links else None  # link emulation (coordinator/netem.py)
     procs: list[subprocess.Popen] = []
     logs = []
@@ -160,7 +169,8 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
     py = [sys.executable, "-m", "coordinator.cli"]
     try:
         with tempfile.TemporaryDirectory(prefix="dropfl-trial-") as tmp, (net or contextlib.nullcontext()), \
-                Mosquitto(workdir=tmp, hosts=net.hosts if net else ()) as broker:
+                (ProvisionedBroker(broker_dir) if broker_dir
+                 else Mosquitto(workdir=tmp, hosts=net.hosts if net else ())) as broker:
             print(f"broker {broker.url}", file=sys.stderr, flush=True)
             try:  # processes stop before the broker does: agents still publish their offline status
                 for i in range(n):
@@ -169,7 +179,11 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                     slow = max_slowdown * i / max(n - 1, 1)
                     url = f"mqtt://{net.host_address(i)}:{broker.port}" if net else broker.url
                     ac = agent_config(cfg, i, url, adir, profiles[i % len(profiles)], heartbeat_s, slow)
-                    (adir / "agent.json").write_text(json.dumps(ac, indent=2) + "\n")
+                    if tls:  # device_id, mqtts:// broker, password (so the file is 0600), ca_file
+                        ac["agent"] |= tls[i]
+                        write_private(adir / "agent.json", json.dumps(ac, indent=2) + "\n")
+                    else:
+                        (adir / "agent.json").write_text(json.dumps(ac, indent=2) + "\n")
                     logs.append(open(adir / "agent.log", "w"))
                     prefix = net.exec_prefix(i) if net else []  # inside agent i's network namespace
                     procs.append(subprocess.Popen(prefix + py + ["client", "--config", str(adir / "agent.json")],
@@ -179,6 +193,8 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 logs.append(open(out / "coordinator.log", "w"))
                 cmd = py + ["coordinator", "--config", str(trial_cfg), "--broker", broker.url, "--out", str(out),
                             "--deadline", str(deadline_s), "--heartbeat-timeout", str(max(10 * heartbeat_s, 5.0))]
+                if broker_dir:  # the coordinator's account; --broker above keeps it on 127.0.0.1
+                    cmd += ["--broker-config", str(broker.coordinator_json)]
                 coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
                                          stderr=None if progress else subprocess.STDOUT, start_new_session=True)
                 procs.append(coord)
