@@ -55,9 +55,11 @@ class Limits:
     max_tensor_bytes: int = 256 * 1024 ** 2  # a tensor may not be larger than this (after reassembly)
     max_header_bytes: int = 64 * 1024
     max_pending: int = 1024                # partial messages kept by a Reassembler at once
+    max_pending_per_client: int = 8        # ... of which at most this many with one client index
 
     def __post_init__(self):
-        if self.chunk_bytes < 1 or self.max_tensor_bytes < 0 or self.max_header_bytes < 64:
+        if self.chunk_bytes < 1 or self.max_tensor_bytes < 0 or self.max_header_bytes < 64 or \
+                self.max_pending_per_client < 1:
             raise ValueError(f"wire limits out of range: {self}")
 
 
@@ -228,6 +230,9 @@ class Reassembler:
             return _assemble(h, body)
         key = (h.run, h.round, h.client, h.kind, h.sha256)
         if key not in self.pending:
+            mine = [k for k in self.pending if k[2] == h.client]
+            if len(mine) >= self.limits.max_pending_per_client:  # one device cannot fill the buffer
+                del self.pending[mine[0]]                         # its oldest partial message goes
             self.pending[key] = (h, {})
             while len(self.pending) > self.limits.max_pending:
                 self.pending.popitem(last=False)

@@ -102,3 +102,14 @@ def test_a_tensor_where_none_belongs_is_rejected(tmp_path):
     decline = wire.encode("decline", "run-x", 0, 0, torch.zeros(3), meta={"reason": "battery"})[0]
     hub._dispatch("d0", "update/decline", decline, False)
     assert r.dropped == {0: "rejected"} and r.rejects == {"too_large": 1}
+
+
+def test_one_device_cannot_make_the_coordinator_buffer_more_than_a_few_partial_updates(tmp_path):
+    hub = make_hub(tmp_path)
+    open_round(hub, t=0)
+    lim = wire.Limits(chunk_bytes=8)
+    for rnd in range(1, 30):  # first chunks of updates for future rounds, never completed
+        hub._dispatch("d0", "update/delta", wire.encode("update", "run-x", rnd, 0, torch.zeros(4), GOOD, lim)[0], False)
+    hub._dispatch("d1", "update/delta", wire.encode("update", "run-x", 0, 1, torch.ones(4), GOOD, lim)[0], False)
+    by_client = [k[2] for k in hub.reasm.pending]
+    assert by_client.count(0) == wire.Limits().max_pending_per_client and by_client.count(1) == 1
