@@ -4,6 +4,7 @@ would deliver them: each reject is counted by its code, logged, and never reache
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import torch
 from test_field_hub import BINDING, make_hub, upload
@@ -113,3 +114,15 @@ def test_one_device_cannot_make_the_coordinator_buffer_more_than_a_few_partial_u
     hub._dispatch("d1", "update/delta", wire.encode("update", "run-x", 0, 1, torch.ones(4), GOOD, lim)[0], False)
     by_client = [k[2] for k in hub.reasm.pending]
     assert by_client.count(0) == wire.Limits().max_pending_per_client and by_client.count(1) == 1
+
+
+def test_an_unexpected_exception_is_counted_and_does_not_kill_the_network_thread(tmp_path, monkeypatch):
+    hub = make_hub(tmp_path)
+
+    def broken(*args) -> None:
+        raise KeyError("bug")
+
+    monkeypatch.setattr(hub, "_dispatch", broken)
+    msg = SimpleNamespace(topic="dropfl/v1/device/d0/update/delta", payload=b"", retain=False)
+    hub._on_message(None, None, msg)  # paho would let this exception end its network thread
+    assert hub.rejects == {"internal": 1}
