@@ -51,7 +51,8 @@ def _number_problem(meta: dict, key: str) -> str | None:
 def update_meta(meta: dict, announced_samples: object) -> Reject | None:
     """num_samples (at most what the device announced), steps, loss and the timing fields."""
     n, steps, loss = meta.get("num_samples"), meta.get("steps"), meta.get("loss")
-    most = announced_samples if _is_int(announced_samples) and announced_samples >= 0 else MAX_SAMPLES
+    most = min(announced_samples, MAX_SAMPLES) if _is_int(announced_samples) and announced_samples >= 0 \
+        else MAX_SAMPLES
     if not _is_int(n) or not 0 <= n <= most:
         return META, f"meta num_samples = {str(n)[:40]!r} is not an integer in 0..{most} (what the device announced)"
     if not _is_int(steps) or not 0 <= steps <= MAX_STEPS:

@@ -126,3 +126,11 @@ def test_an_unexpected_exception_is_counted_and_does_not_kill_the_network_thread
     msg = SimpleNamespace(topic="dropfl/v1/device/d0/update/delta", payload=b"", retain=False)
     hub._on_message(None, None, msg)  # paho would let this exception end its network thread
     assert hub.rejects == {"internal": 1}
+
+
+def test_announcing_a_huge_sample_count_does_not_raise_the_bound_past_2_31(tmp_path):
+    hub = make_hub(tmp_path)
+    announce_samples(hub, 0, 10 ** 30)
+    r = open_round(hub, clients=range(1))
+    upload(hub, 0, torch.zeros(4), rnd=0, meta={"num_samples": 10 ** 20, "steps": 1})
+    assert r.dropped == {0: "rejected"} and r.rejects == {"meta": 1}
