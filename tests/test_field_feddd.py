@@ -101,7 +101,8 @@ def test_feddd_uploads_are_smaller_on_the_wire(trials):
     avg0, avg1 = counter.bytes[("test-fedavg", 0)], counter.bytes[("test-fedavg", 1)]
     dd0, dd1 = counter.bytes[("test-feddd", 0)], counter.bytes[("test-feddd", 1)]
     dense = feddd.dense_nbytes(feddd.unit_layout(build_model("logreg", (1, 28, 28), 10, SEED)))
-    assert avg0 == avg1 and avg0 > N * dense  # three dense float32 updates plus their frame headers
+    for avg in (avg0, avg1):  # three dense float32 updates plus their frame headers (a few hundred bytes)
+        assert N * dense < avg < N * dense * 1.05
     # round 0: D = 0 for everyone (Algorithm 1), the sparse payload carries all values plus its bitmap
     assert abs(dd0 - avg0) < 0.05 * avg0
     # round 1: the allocation's A_server = 0.6 budget, i.e. ~60 % of the values (+ headers) travel
