@@ -263,6 +263,8 @@ class FieldHub:
             problem = field_checks.update(m, self.num_params, a.announce.get("num_samples"))
             if problem is None and (invalid := self._invalid(m)):
                 problem = (field_checks.PAYLOAD, invalid)
+            if problem is None and is_sparse(m) and r.tasks[c].dropout_rate is None:  # masks only for FedDD
+                problem = (field_checks.PAYLOAD, "a sparse update answers a task without dropout_rate (not FedDD)")
             if problem:
                 r.rejected += 1
                 r.dropped[c] = "rejected"

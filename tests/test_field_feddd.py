@@ -8,6 +8,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fieldkit import CLI, ROOT, kill_group, start_agent
@@ -16,8 +17,11 @@ from paho.mqtt import client as mqtt
 from coordinator.broker import Mosquitto
 from coordinator.participation import read_rows
 from coordinator.rundir import read_metrics
+from coordinator.sparse_updates import update_tensors
+from coordinator.transport_mqtt import FieldConfig, FieldHub, RoundState
 from edge_client import feddd, wire
 from edge_client.models import build_model
+from edge_client.trainer import TrainTask
 
 N = 3
 SEED = 3
@@ -125,3 +129,45 @@ def test_feddd_strategy_consumed_measured_rates_and_sparse_updates(trials):
     log = [json.loads(line) for line in open(d / "feddd" / "field.jsonl")]
     rounds = [e for e in log if e["event"] == "round"]
     assert [e["rejected"] for e in rounds] == [0, 0] and all(e["participants"] == N for e in rounds)
+
+
+# --- the coordinator's checks, without a broker (messages fed to FieldHub as paho delivers them) ---
+
+BINDING = {"dataset": "fmnist", "partition": "iid", "clients": 4, "seed": 0, "model": "logreg"}
+
+
+def sparse_hub(tmp_path) -> tuple[FieldHub, feddd.Layout]:
+    layout = feddd.unit_layout(build_model("logreg", (1, 28, 28), 10, 0))
+    hub = FieldHub(FieldConfig(run_id="run-x", heartbeat_timeout_s=60), 4, BINDING, layout.numel, tmp_path)
+    hub.layout = layout  # what MqttTransport sets
+    for c in range(4):
+        hub._dispatch(f"d{c}", "status", wire.encode("status", "", -1, c, meta={"state": "online"} | BINDING)[0],
+                      False)
+    return hub, layout
+
+
+def send_sparse(hub: FieldHub, c: int, payload: bytes, rate: float = 0.5) -> None:
+    body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    meta = {"num_samples": 10, "steps": 2, "encoding": feddd.WIRE_ENCODING, "dropout_rate": rate}
+    for f in wire.encode("update", "run-x", 0, c, body, meta):
+        hub._dispatch(f"d{c}", "update/delta", f, False)
+
+
+def test_hub_decodes_a_valid_sparse_update_and_rejects_broken_ones(tmp_path):
+    hub, layout = sparse_hub(tmp_path)
+    tasks = {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4, dropout_rate=0.5) for c in range(3)}
+    tasks[3] = TrainTask(client=3, round=0, lr=0.1, batch_size=4)  # a FedAvg task: no masks allowed
+    r = hub.round = RoundState(0, tasks, 0.0)
+    w = torch.linspace(-1, 1, layout.numel)
+    w_local = w + 0.25
+    masks = [np.array([True, False] * 5)]  # logreg: one layer of 10 neurons, keep 5
+    payload = feddd.encode_sparse(layout, masks, w_local)
+    send_sparse(hub, 0, payload)
+    send_sparse(hub, 1, payload[:-4])                                     # count disagrees with the length
+    bad = feddd.encode_sparse(layout, masks, torch.where(w > 0.5, float("nan"), w_local))
+    send_sparse(hub, 2, bad)                                              # NaN among the kept values
+    send_sparse(hub, 3, payload)                                          # sparse answer to a FedAvg task
+    assert list(r.updates) == [0] and r.dropped == {1: "rejected", 2: "rejected", 3: "rejected"}
+    delta, mask = update_tensors(layout, r.updates[0], w)
+    assert torch.equal(mask, feddd.flat_mask(layout, masks)) and int(mask.sum()) == 5 * 785
+    assert torch.allclose(delta[mask], torch.full((5 * 785,), -0.25), atol=1e-6) and (delta[~mask] == 0).all()
