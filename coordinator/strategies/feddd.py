@@ -87,6 +87,10 @@ class FedDD(Strategy):
             raise UserError(str(e)) from None
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
+        from cvx.allocation import DropoutAllocator
+
+        if self._allocator is None or self._allocator.n != n_clients:  # cvxpy's ~2 s import: before round 0
+            self._allocator = DropoutAllocator(n_clients, solver=self.solver)
         state = init_rates(n_clients, w0)
         state["dropout"] = torch.zeros(n_clients, dtype=torch.float64)  # Algorithm 1: D^1 = 0
         for key in ("loss", "num_samples", "label_score"):
