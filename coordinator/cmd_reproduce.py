@@ -107,8 +107,9 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path,
-             progress: bool = True, log=print) -> dict[str, dict[str, dict]]:
-    """Run (or skip, or resume) every (method, τ, trial); return ours[method][τ] = {mean, std, trials, ...}."""
+             progress: bool = True, log=print, report_only: bool = False) -> dict[str, dict[str, dict]]:
+    """Run (or skip, or resume) every (method, τ, trial); return ours[method][τ] = {mean, std, trials, ...}.
+    With `report_only`, nothing is run: unfinished trials are left out of the cells (and said so)."""
     from coordinator.sim import run_sim
     from coordinator.strategies import STRATEGIES
 
@@ -116,7 +117,7 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
     total, k = len(methods) * len(taus) * trials, 0
     for tau in taus:
         for method in methods:
-            finals = []
+            finals, seeds = [], []
             for trial in range(trials):
                 k += 1
                 path = run_dir(root, method, tau, trial)
@@ -126,16 +127,22 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
                     raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
                 if finished(path, cfg.run.rounds):
                     log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: done already, skipped")
+                elif report_only:
+                    log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: not finished, left out of the table")
+                    continue
                 else:
                     resume = (path / "checkpoint.pt").exists()
                     log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: {'resuming' if resume else 'running'} "
                         f"{cfg.run.rounds} rounds -> {path}")
                     run_sim(cfg, str(path), resume=resume, progress=progress)
                 finals.append(curve(path)[1][-1])
+                seeds.append(trial)
+            if not finals:
+                continue
             mean, std = mean_std(finals)
             ours.setdefault(method, {})[str(tau)] = {
                 "mean": round(mean, 2), "std": round(std, 2), "trials": [round(x, 2) for x in finals],
-                "seeds": list(range(trials)), "runs": [str(run_dir(root, method, tau, s)) for s in range(trials)]}
+                "seeds": seeds, "runs": [str(run_dir(root, method, tau, s)) for s in seeds]}
     return ours
 
 
@@ -203,8 +210,8 @@ def figure(results: dict, methods: list[str], tau: int, out: Path) -> Path:
 
 
 def reproduce_table3(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path, results_dir: Path,
-                     progress: bool = True, log=print) -> dict:
-    ours = run_grid(setup, methods, taus, trials, root, progress, log)
+                     progress: bool = True, log=print, report_only: bool = False) -> dict:
+    ours = run_grid(setup, methods, taus, trials, root, progress, log, report_only)
     results = {"paper": PAPER_TABLE3, "ours": ours, "setup": setup_dict(setup, taus, trials, root)}
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "mimic_table3.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -251,6 +258,8 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=1, help="evaluate every n rounds (and at the last; default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the table, JSON and figure from the runs finished so far")
     # test-only overrides of the paper setup (hidden from --help)
     p.add_argument("--clients", type=int, default=30, help=argparse.SUPPRESS)
     p.add_argument("--epochs", type=int, default=5, help=argparse.SUPPRESS)
@@ -266,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     setup = Setup(rounds=args.rounds, engine=args.engine, eval_every=args.eval_every, threads=args.threads,
                   clients=args.clients, epochs=args.epochs, steps=args.steps, model=args.model, dataset=args.dataset)
     results = reproduce_table3(setup, args.methods, args.taus, args.trials, Path(args.out), Path(args.results),
-                               progress=not args.no_progress and sys.stderr.isatty())
+                               progress=not args.no_progress and sys.stderr.isatty(), report_only=args.report_only)
     print(markdown(results, args.methods, args.taus), end="")
     print(f"wrote {Path(args.results) / 'mimic_table3.json'}, .md and _fig4.png")
     return 0

@@ -67,6 +67,21 @@ def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(repro, capsys):
     assert (base / "runs" / "mimic-tau3-s0" / "model.pt").exists()
 
 
+def test_report_only_runs_nothing_and_leaves_unfinished_trials_out(repro, capsys):
+    base, args = repro
+    res_dir = base / "res-partial"
+    two = list(args)
+    two[two.index("--trials") + 1] = "2"  # trial 1 was never run
+    two[two.index(str(base / "res"))] = str(res_dir)
+    capsys.readouterr()
+    assert cli.main([*two, "--report-only"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("not finished, left out of the table") == len(METHODS)
+    assert not (base / "runs" / "mimic-tau3-s1").exists()  # nothing was run
+    res = json.loads((res_dir / "mimic_table3.json").read_text())
+    assert all(cells["3"]["seeds"] == [0] and len(cells["3"]["trials"]) == 1 for cells in res["ours"].values())
+
+
 def test_unknown_engine_is_a_user_error(tmp_path):
     assert cli.main(["reproduce", "mimic-table3", *TINY, "--engine", "warp", "--out", str(tmp_path)]) == 2
 
