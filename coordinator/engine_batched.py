@@ -298,6 +298,7 @@ class BatchedEngine:
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  workers: int | None = None, groups: int = 2, device: str | None = None):
+        self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         sizes = [len(y) for _, y in client_data]
         offsets = [0]
@@ -311,7 +312,6 @@ class BatchedEngine:
         self.groups, self.workers = max(1, groups), workers
         threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
         self.local = Group(model, x_all, y_all, offsets, sizes, device, threads) if workers == 0 else None
-        self.pool = None
         if workers > 0:
             import torch.multiprocessing as tmp
             self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
