@@ -24,6 +24,7 @@ which process or how many processes trained it, so the same seed gives the same 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -277,9 +278,23 @@ class Group:
 _WORKER: Group | None = None
 
 
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to SIGTERM this worker when its parent dies. Without it, a killed
+    simulation (Ctrl-C twice, SIGKILL) left its workers training a slice for many minutes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
 def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
                  sizes: list[int], threads: int) -> None:
     global _WORKER
+    _die_with_parent()
     torch.set_num_threads(threads)
     _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads)
 
