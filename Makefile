@@ -7,7 +7,9 @@ setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
-	$(BIN)/dropfl sim --config configs/demo.toml
+	$(BIN)/dropfl sim --config configs/demo.toml --algo fedavg --out runs/demo/fedavg
+	$(BIN)/dropfl sim --config configs/demo.toml --algo mimic --out runs/demo/mimic
+	$(BIN)/dropfl report runs/demo/fedavg runs/demo/mimic --out runs/demo/report
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
