@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import tomllib
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from coordinator.errors import UserError
+from edge_client.configfile import fill_sections, read_config_file
 
 
 def opt(default, help: str, choices=None, flag: str | None = None):
@@ -159,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser, algos: list[str]) -> None:
     for section, factory in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(factory()):
-            kw = {"help": f"{f.metadata['help']} (default: {f.default})", "default": None, "dest": f"{section}.{f.name}"}
+            kw = {"help": f"{f.metadata['help']} (default: {f.default})", "default": None,
+                  "dest": f"{section}.{f.name}"}
             if f.type in ("bool", bool):
                 kw["action"] = argparse.BooleanOptionalAction
             else:
@@ -181,35 +180,17 @@ def _parse_type(t):
 
 
 def load_file(path: str) -> dict:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise UserError(f"--config: cannot read {path}: {e.strerror}") from None
-    try:
-        return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise UserError(f"--config: {path} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+    return read_config_file(path, UserError)
 
 
 def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
     file = load_file(args.config) if getattr(args, "config", None) else {}
-    unknown = set(file) - set(SECTIONS)
-    if unknown:
-        raise UserError(f"--config: unknown section(s) {sorted(unknown)} (expected {list(SECTIONS)})")
-    parts = {}
-    for section, factory in SECTIONS.items():
-        obj = factory()
-        names = {f.name for f in dataclasses.fields(obj)}
-        for k, v in file.get(section, {}).items():
-            if k not in names:
-                raise UserError(f"--config: unknown key {section}.{k}")
-            setattr(obj, k, v)
-        for name in names:
+    parts = fill_sections(SECTIONS, file, UserError)
+    for section, obj in parts.items():
+        for name in (f.name for f in dataclasses.fields(obj)):
             v = getattr(args, f"{section}.{name}", None)
             if v is not None:
                 setattr(obj, name, v)
-        parts[section] = obj
     cfg = SimConfig(**parts)
     validate(cfg, algos)
     return cfg

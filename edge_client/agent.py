@@ -36,14 +36,12 @@ import argparse
 import csv
 import dataclasses
 import functools
-import json
 import math
 import queue
 import signal
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -54,6 +52,7 @@ from paho.mqtt import client as mqtt
 
 from edge_client import datasets, feddd, partition, wire
 from edge_client.battery import BatteryConfig, BatteryError, make_battery
+from edge_client.configfile import fill_sections, read_config_file
 from edge_client.models import build_model
 from edge_client.monitor import PolicyConfig, decide, device_facts, system_sample
 from edge_client.trainer import TrainTask, local_train
@@ -120,18 +119,7 @@ class AgentConfig:
 
 def config_from_dict(d: dict) -> AgentConfig:
     sections = {f.name: f.default_factory for f in dataclasses.fields(AgentConfig)}
-    unknown = set(d) - set(sections)
-    if unknown:
-        raise AgentError(f"agent config: unknown section(s) {sorted(unknown)} (expected {list(sections)})")
-    parts = {}
-    for name, factory in sections.items():
-        obj = factory()
-        names = {f.name for f in dataclasses.fields(obj)}
-        for k, v in d.get(name, {}).items():
-            if k not in names:
-                raise AgentError(f"agent config: unknown key {name}.{k}")
-            setattr(obj, k, v)
-        parts[name] = obj
+    parts = fill_sections(sections, d, AgentError, "agent config")
     cfg = AgentConfig(**parts)
     if not (0 <= cfg.agent.client < cfg.data.clients):
         raise AgentError(f"agent config: client {cfg.agent.client} outside 0..{cfg.data.clients - 1}")
@@ -142,15 +130,7 @@ def config_from_dict(d: dict) -> AgentConfig:
 
 def load_config(path: str) -> AgentConfig:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise AgentError(f"--config: cannot read {path}: {e.strerror}") from None
-    try:
-        d = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise AgentError(f"--config: {path} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
-    cfg = config_from_dict(d)
+    cfg = config_from_dict(read_config_file(p, AgentError))
     if cfg.agent.ca_file and not Path(cfg.agent.ca_file).is_absolute():
         cfg.agent.ca_file = str(p.parent / cfg.agent.ca_file)
     return cfg
