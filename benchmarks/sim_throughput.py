@@ -1,8 +1,8 @@
 """Simulation throughput on the MimiC FMNIST workload, side by side in one run (issue 4).
 
 Workload: 30 clients × 2000 FMNIST samples, mimic-cnn (LeNet 6/16/120/84/10), batch 16, FedAvg,
-full participation; a round is 625 steps per client in the paper, `--steps` here (same per-step
-work, fewer steps so the whole benchmark takes minutes). Measured, interleaved over `--repeats`:
+full participation; a measured round is 625 steps per client, as in the paper (`--steps` to
+shorten it; per-round costs then weigh more). Measured, interleaved over `--repeats`:
 
   loop    dropfl's reference engine: one client after another (SimTransport engine="loop")
   dropfl  dropfl's batched engine (SimTransport engine="batched": 2 worker processes)
@@ -13,7 +13,7 @@ work, fewer steps so the whole benchmark takes minutes). Measured, interleaved o
 
 Prints client-steps/s and ratios; writes benchmarks/results/sim_throughput.json and .md.
 
-    .venv/bin/python benchmarks/sim_throughput.py [--steps 100] [--repeats 3] [--flower-runs 2]
+    .venv/bin/python benchmarks/sim_throughput.py [--steps 625] [--repeats 3] [--flower-runs 2]
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def peak_flops(n: int = 2048, reps: int = 10) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=100, help="local steps per client per measured round")
+    ap.add_argument("--steps", type=int, default=PAPER_STEPS,
+                    help=f"local steps per client per measured round (default {PAPER_STEPS}, the paper's round)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of loop and dropfl")
     ap.add_argument("--flower-runs", type=int, default=2, help="Flower simulations (each: start-up + rounds)")
     ap.add_argument("--flower-rounds", type=int, default=3, help="rounds per Flower run (round 1 = warm-up)")
