@@ -9,7 +9,7 @@ from coordinator import cli
 from coordinator.cmd_reproduce import METHODS, PAPER_TABLE3, markdown
 
 TINY = ["--trials", "1", "--taus", "3", "--rounds", "2", "--clients", "6", "--steps", "2", "--model", "logreg",
-        "--no-progress", "--threads", "1"]
+        "--no-progress", "--threads", "1", "--engine", "loop"]
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,11 @@ def test_results_json_schema_and_files(repro):
     assert res["setup"]["rounds"] == 2 and res["setup"]["rounds_scaffold"] == 1 and res["setup"]["taus"] == [3]
     md = (base / "res" / "mimic_table3.md").read_text()
     assert "| MimiC |" in md and "τmax = 3" in md
+    for cells in res["ours"].values():  # per run: spread of the last evaluations and wall time
+        (run,) = cells["3"]["per_run"]
+        assert run["last_min"] <= run["last_mean"] <= run["last_max"] and run["seconds"] > 0
+        assert run["engine"] == "loop"
+    assert "## Evidence" in md and "## Wall time" in md and "5 runs in the table took" in md
     assert (base / "res" / "mimic_table3_fig4.png").read_bytes()[:4] == b"\x89PNG"
 
 
