@@ -39,7 +39,8 @@ class Setup:
     """Paper setup (Table 2 and the released code); the last five fields exist for tests only."""
 
     rounds: int = 200
-    engine: str = "loop"
+    engine: str = "batched"
+    tau_dist: str = "uniform"   # paper; "halfnormal" = the released code's τ_i (mimic.md §1.3)
     eval_every: int = 1
     threads: int | None = None
     clients: int = 30
@@ -62,7 +63,7 @@ def sim_config(setup: Setup, method: str, tau: int, trial: int, out: Path) -> co
     cfg.train.batch_size, cfg.train.epochs, cfg.train.steps = 16, setup.epochs, setup.steps  # B = 16, 5 epochs
     cfg.train.engine = setup.engine
     a = cfg.availability
-    a.kind, a.tau_max, a.tau_dist, a.min_active, a.first_round_all = "bounded", tau, "uniform", 2, True
+    a.kind, a.tau_max, a.tau_dist, a.min_active, a.first_round_all = "bounded", tau, setup.tau_dist, 2, True
     cfg.strategy.algo = METHODS[method]                                  # paper defaults of every strategy
     cfg.run.rounds, cfg.run.seed, cfg.run.eval_every = setup.rounds_for(method), trial, setup.eval_every
     cfg.run.threads, cfg.run.out = setup.threads, str(out)
@@ -72,8 +73,13 @@ def sim_config(setup: Setup, method: str, tau: int, trial: int, out: Path) -> co
 NOTES = "mimic_table3_notes.md"  # hand-written analysis beside the generated files, linked from the .md
 
 
-def run_dir(root: Path, method: str, tau: int, trial: int) -> Path:
-    return root / f"{METHODS[method]}-tau{tau}-s{trial}"
+def run_dir(root: Path, method: str, tau: int, trial: int, tau_dist: str = "uniform") -> Path:
+    dist = "" if tau_dist == "uniform" else f"-{tau_dist}"
+    return root / f"{METHODS[method]}-tau{tau}{dist}-s{trial}"
+
+
+def results_stem(tau_dist: str) -> str:
+    return "mimic_table3" if tau_dist == "uniform" else f"mimic_table3_{tau_dist}"
 
 
 def finished(path: Path, rounds: int) -> bool:
@@ -126,19 +132,32 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
              progress: bool = True, log=print, report_only: bool = False) -> dict[str, dict[str, dict]]:
     """Run (or skip, or resume) every (method, τ, trial); return ours[method][τ] = {mean, std, trials, ...}.
     With `report_only`, nothing is run: unfinished trials are left out of the cells (and said so)."""
-    from coordinator.sim import run_sim
+    from coordinator.sim import build_availability, run_sim
     from coordinator.strategies import STRATEGIES
 
     ours: dict[str, dict[str, dict]] = {}
+    ran: dict[tuple[str, int], list[tuple[np.ndarray, Path]]] = {}   # (method, trial) → [(τ_i, run dir)]
     total, k = len(methods) * len(taus) * trials, 0
-    for tau in taus:
+    for tau in sorted(taus):
         for method in methods:
-            finals, seeds = [], []
+            finals, seeds, paths = [], [], []
             for trial in range(trials):
                 k += 1
-                path = run_dir(root, method, tau, trial)
+                path = run_dir(root, method, tau, trial, setup.tau_dist)
                 cfg = sim_config(setup, method, tau, trial, path)
                 config.validate(cfg, list(STRATEGIES))
+                # τmax only caps τ_i: if no τ_i reaches the cap, the run at a smaller τmax is this very run
+                # (same availability, same seed, same everything else). Happens with --tau-dist halfnormal,
+                # whose τ_i stay below ~10 (mimic.md §1.3), so that τmax 50 and 100 reuse the τmax=20 runs.
+                tau_i = build_availability(cfg).tau
+                same = next((p for t_i, p in ran.get((method, trial), []) if np.array_equal(t_i, tau_i)), None)
+                if same is not None:
+                    log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: same τ_i as {same.name} "
+                        f"(none reaches {tau}), reusing that run")
+                    finals.append(curve(same)[1][-1])
+                    seeds.append(trial)
+                    paths.append(same)
+                    continue
                 if not same_setup(path, cfg):
                     raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
                 if finished(path, cfg.run.rounds):
@@ -151,12 +170,14 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
                     log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: {'resuming' if resume else 'running'} "
                         f"{cfg.run.rounds} rounds -> {path}")
                     run_sim(cfg, str(path), resume=resume, progress=progress)
+                ran.setdefault((method, trial), []).append((tau_i, path))
                 finals.append(curve(path)[1][-1])
                 seeds.append(trial)
+                paths.append(path)
             if not finals:
                 continue
             mean, std = mean_std(finals)
-            runs = [run_dir(root, method, tau, s) for s in seeds]
+            runs = paths
             ours.setdefault(method, {})[str(tau)] = {
                 "mean": round(mean, 2), "std": round(std, 2), "trials": [round(x, 2) for x in finals],
                 "seeds": seeds, "runs": [str(r) for r in runs], "per_run": [run_stats(r) for r in runs]}
@@ -169,8 +190,11 @@ def setup_dict(setup: Setup, taus: list[int], trials: int, root: Path) -> dict:
         "model": setup.model, "batch_size": 16, "local_epochs": setup.epochs, "local_steps": setup.steps,
         "lr": "max(0.01 * 0.95^t, 1e-5), local SGD lr; server applies the mean delta with step 1 (released code)",
         "rounds": setup.rounds, "rounds_scaffold": setup.rounds_for("SCAFFOLD"),
-        "uploads": setup.rounds, "availability": "bounded: tau_i ~ UniformInt{0..tau_max} (paper), active iff "
-        "tau_i <= 1 or t mod tau_i == 0, at least 2 active (code), round 0 everyone",
+        "uploads": setup.rounds, "availability": (
+            "bounded: tau_i ~ UniformInt{0..tau_max} (paper)" if setup.tau_dist == "uniform" else
+            "bounded: tau_i = min(round(|N(0, 3^2)|), tau_max) (released code, --tau-dist halfnormal)")
+        + ", active iff tau_i <= 1 or t mod tau_i == 0, at least 2 active (code), round 0 everyone",
+        "tau_dist": setup.tau_dist,
         "taus": taus, "trials": trials, "seeds": list(range(trials)), "engine": setup.engine,
         "strategy_defaults": "MimiC/MIFA units=delta, MIFA weights round(1/N,4), FedProx mu=0.001, "
                              "SCAFFOLD option II, server step 1",
@@ -183,8 +207,11 @@ def setup_dict(setup: Setup, taus: list[int], trials: int, root: Path) -> dict:
 def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
     ours, paper = results["ours"], results["paper"]
     head = "| method | " + " | ".join(f"τmax = {t}: ours | paper" for t in taus) + " |"
+    dist = results["setup"].get("tau_dist", "uniform")
     lines = [f"# MimiC Table 3 reproduction: FMNIST test accuracy (%) after {results['setup']['rounds']} model "
-             "uploads (paper: 200)", "",
+             "uploads (paper: 200)" + ("" if dist == "uniform" else f", τ_i {dist} (released code)"), "",
+             *([f"Availability: {results['setup']['availability']}.", ""]
+               if "availability" in results["setup"] else []),
              f"Setup: {results['setup']['clients']} clients, {results['setup']['rounds']} rounds "
              f"(SCAFFOLD {results['setup']['rounds_scaffold']}), {results['setup']['trials']} trial(s), "
              f"engine {results['setup']['engine']}; ours = mean ± std over trials.", "",
@@ -225,7 +252,8 @@ def evidence(results: dict, methods: list[str], taus: list[int]) -> list[str]:
              "τ_i most rounds have 2-5 participants holding 2 labels each and the global model keeps "
              f"oscillating, so below are the mean ± std and range of each run's last {n} evaluations "
              "(every `--eval-every` rounds), and the table recomputed on that less noisy statistic.", "",
-             "| method | τmax | seed | final | last-n mean ± std (ddof 0) | last-n min-max |", "|---|---:|---:|---:|---:|---:|"]
+             "| method | τmax | seed | final | last-n mean ± std (ddof 0) | last-n min-max |",
+             "|---|---:|---:|---:|---:|---:|"]
     for m, t, c in cells:
         for seed, final, r in zip(c["seeds"], c["trials"], c["per_run"]):
             lines.append(f"| {m} | {t} | {seed} | {final:.2f} | {r['last_mean']:.2f} ± {r['last_std']:.2f} | "
@@ -247,7 +275,7 @@ def evidence(results: dict, methods: list[str], taus: list[int]) -> list[str]:
     secs = [(r["seconds"], r["engine"]) for _, _, c in cells for r in c["per_run"]]
     engines = sorted({e for _, e in secs if e})
     total = sum(x for x, _ in secs)
-    lines += ["", f"## Wall time", "",
+    lines += ["", "## Wall time", "",
               f"{len(secs)} runs in the table took {total / 3600:.2f} h of wall time in total "
               f"(Σ of the rounds' `seconds`; engine: {', '.join(engines) or 'unknown'}; machine shared with other "
               "work at times)."]
@@ -278,10 +306,11 @@ def reproduce_table3(setup: Setup, methods: list[str], taus: list[int], trials: 
     if (results_dir / NOTES).exists():
         results["notes"] = NOTES
     results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "mimic_table3.json").write_text(json.dumps(results, indent=2) + "\n")
-    (results_dir / "mimic_table3.md").write_text(markdown(results, methods, taus))
+    stem = results_stem(setup.tau_dist)
+    (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (results_dir / f"{stem}.md").write_text(markdown(results, methods, taus))
     fig_tau = 20 if 20 in taus else taus[0]
-    figure(results, methods, fig_tau, results_dir / "mimic_table3_fig4.png")
+    figure(results, methods, fig_tau, results_dir / f"{stem}_fig4.png")
     return results
 
 
@@ -324,6 +353,9 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=1, help="evaluate every n rounds (and at the last; default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tau-dist", default="uniform", choices=["uniform", "halfnormal"],
+                   help="τ_i distribution: uniform (paper, default) or halfnormal (released code: "
+                        "min(round(|N(0,9)|), τmax)); halfnormal runs and results get their own names")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the table, JSON and figure from the runs finished so far")
     # test-only overrides of the paper setup (hidden from --help)
@@ -338,10 +370,11 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.trials < 1 or args.rounds < 1 or args.eval_every < 1:
         raise UserError("--trials, --rounds and --eval-every must be >= 1")
-    setup = Setup(rounds=args.rounds, engine=args.engine, eval_every=args.eval_every, threads=args.threads,
+    setup = Setup(rounds=args.rounds, engine=args.engine, tau_dist=args.tau_dist, eval_every=args.eval_every,
+                  threads=args.threads,
                   clients=args.clients, epochs=args.epochs, steps=args.steps, model=args.model, dataset=args.dataset)
     results = reproduce_table3(setup, args.methods, args.taus, args.trials, Path(args.out), Path(args.results),
                                progress=not args.no_progress and sys.stderr.isatty(), report_only=args.report_only)
     print(markdown(results, args.methods, args.taus), end="")
-    print(f"wrote {Path(args.results) / 'mimic_table3.json'}, .md and _fig4.png")
+    print(f"wrote {Path(args.results) / results_stem(args.tau_dist)}.json, .md and _fig4.png")
     return 0

@@ -114,3 +114,23 @@ def test_a_run_directory_with_another_setup_is_not_reused(tmp_path):
     old["availability"]["tau_max"] = 50
     (tmp_path / "config.json").write_text(json.dumps(old))
     assert not same_setup(tmp_path, cfg)
+
+
+def test_halfnormal_runs_get_their_own_files_and_uncapped_taus_reuse_one_run(tmp_path, capsys):
+    """--tau-dist halfnormal (released code): τ_i = min(round(|N(0,9)|), τmax) stays far below 20, so the
+    runs at τmax 20 and 50 would be the same run; the second is not run again, and says so."""
+    args = ["reproduce", "mimic-table3", *TINY, "--methods", "MimiC", "--taus", "20,50", "--tau-dist", "halfnormal",
+            "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")]
+    with pytest.MonkeyPatch.context() as mp:
+        cache_dataset_loads(mp)
+        assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "MimiC τmax=50 trial 0: same τ_i as mimic-tau20-halfnormal-s0 (none reaches 50), reusing that run" in out
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["mimic-tau20-halfnormal-s0"]
+    res = json.loads((tmp_path / "res" / "mimic_table3_halfnormal.json").read_text())
+    cells = res["ours"]["MimiC"]
+    assert cells["20"]["trials"] == cells["50"]["trials"] and cells["50"]["runs"] == cells["20"]["runs"]
+    assert res["setup"]["tau_dist"] == "halfnormal" and "released code" in res["setup"]["availability"]
+    cfg = json.loads((tmp_path / "runs" / "mimic-tau20-halfnormal-s0" / "config.json").read_text())
+    assert cfg["availability"]["tau_dist"] == "halfnormal"
+    assert "τ_i halfnormal (released code)" in (tmp_path / "res" / "mimic_table3_halfnormal.md").read_text()
