@@ -213,7 +213,7 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
              *([f"Availability: {results['setup']['availability']}.", ""]
                if "availability" in results["setup"] else []),
              f"Setup: {results['setup']['clients']} clients, {results['setup']['rounds']} rounds "
-             f"(SCAFFOLD {results['setup']['rounds_scaffold']}), {results['setup']['trials']} trial(s), "
+             f"(SCAFFOLD {results['setup']['rounds_scaffold']}), {trials_done(results)} trial(s) per cell, "
              f"engine {results['setup']['engine']}; ours = mean ± std over trials.", "",
              head, "|---|" + "---:|---:|" * len(taus)]
     for m in methods:
@@ -238,6 +238,14 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
     if notes:
         lines += ["", f"Analysis of the differences (hand-written, kept beside this file): [{notes}]({notes})"]
     return "\n".join(lines) + "\n"
+
+
+def trials_done(results: dict) -> str:
+    """'3', or '1-2 of 3' when some trials of some cells have not finished (yet)."""
+    want = results["setup"]["trials"]
+    got = [len(c["trials"]) for cells in results["ours"].values() for c in cells.values() if "trials" in c]
+    lo, hi = (min(got), max(got)) if got else (0, 0)
+    return str(want) if lo == hi == want else f"{lo}-{hi} of {want}" if lo != hi else f"{lo} of {want}"
 
 
 def evidence(results: dict, methods: list[str], taus: list[int]) -> list[str]:
