@@ -19,6 +19,7 @@ import numpy as np
 
 from coordinator import config
 from coordinator.errors import UserError
+from coordinator.rundir import read_metrics
 
 # MimiC Table 3: test accuracy (%) after 200 model uploadings, FMNIST, N = 30, 2 classes per client
 PAPER_TABLE3 = {
@@ -87,7 +88,7 @@ def finished(path: Path, rounds: int) -> bool:
     metrics = path / "metrics.jsonl"
     if not (metrics.exists() and (path / "model.pt").exists()):
         return False
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics)
     return bool(rows) and rows[-1]["round"] == rounds - 1 and rows[-1].get("accuracy") is not None
 
 
@@ -104,7 +105,7 @@ def same_setup(path: Path, cfg: config.SimConfig) -> bool:
 
 
 def curve(path: Path) -> tuple[list[int], list[float]]:
-    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(path / "metrics.jsonl")
     ev = [r for r in rows if r.get("accuracy") is not None]
     return [r["uploads"] for r in ev], [100 * r["accuracy"] for r in ev]
 
@@ -113,7 +114,7 @@ def run_stats(path: Path, last: int = 5) -> dict:
     """What the results file reports per run besides its final accuracy: the mean, std and range of
     its last `last` evaluations (how noisy one final value is), and its wall time (Σ of the rounds'
     `seconds`, so a resumed run counts only the rounds it actually ran)."""
-    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(path / "metrics.jsonl")
     acc = [100 * r["accuracy"] for r in rows if r.get("accuracy") is not None][-last:]
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     return {"last_mean": round(float(np.mean(acc)), 2), "last_std": round(float(np.std(acc)), 2),
@@ -177,10 +178,9 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
             if not finals:
                 continue
             mean, std = mean_std(finals)
-            runs = paths
             ours.setdefault(method, {})[str(tau)] = {
                 "mean": round(mean, 2), "std": round(std, 2), "trials": [round(x, 2) for x in finals],
-                "seeds": seeds, "runs": [str(r) for r in runs], "per_run": [run_stats(r) for r in runs]}
+                "seeds": seeds, "runs": [str(r) for r in paths], "per_run": [run_stats(r) for r in paths]}
     return ours
 
 

@@ -307,14 +307,13 @@ def _keep_freed_memory() -> None:
     per 15-client MimiC-CNN step, ~8 % of the step; measured, see docs/engine.md). The worker's RSS
     then stays at its peak, which is what a long-lived training worker needs anyway."""
     if sys.platform.startswith("linux"):
+        import contextlib
         import ctypes
 
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): nothing to tune
             libc = ctypes.CDLL(None, use_errno=True)
             libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: no mmap below 1 GiB
             libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
-        except (OSError, AttributeError):  # not glibc (musl): nothing to tune
-            pass
 
 
 def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
