@@ -6,6 +6,8 @@ shorten it; per-round costs then weigh more). Measured, interleaved over `--repe
 
   loop    dropfl's reference engine: one client after another (SimTransport engine="loop")
   dropfl  dropfl's batched engine (SimTransport engine="batched": 2 worker processes)
+  dropfl_torch_ops  the same engine with the LeNet's first layer in torch ops instead of the fused
+          native kernel (coordinator/kernels): what the kernel is worth, side by side
   flower  Flower's simulation engine (Ray, 2 actors × 1 CPU), from benchmarks/.venv-flower
           (created by benchmarks/setup_flower.sh; flwr is never a dropfl dependency)
   bound   FLOP bound: FLOPs of one training step counted with torch's FlopCounterMode,
@@ -34,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coordinator.engine_batched import BatchedEngine  # noqa: E402
 from coordinator.sim import SimTransport  # noqa: E402
 from edge_client.datasets import load_fmnist  # noqa: E402
 from edge_client.models import build_model, get_flat  # noqa: E402
@@ -113,16 +116,21 @@ def main() -> None:
     w = get_flat(model)
     loop = SimTransport(model, data, "loop")
     batched = SimTransport(model, data, "batched")
+    torch_ops = SimTransport(model, data, "loop")
+    torch_ops.batched = BatchedEngine(model, data, native=False)  # the batched engine without its kernel
     round_rate(batched, w, 2)  # start the worker processes
+    round_rate(torch_ops, w, 2)
     tmp = tempfile.TemporaryDirectory(prefix="dropfl-flower-")
     for i, (x, y) in enumerate(data):
         torch.save({"x": x, "y": y}, os.path.join(tmp.name, f"client_{i}.pt"))
 
-    samples: dict[str, list[float]] = {"loop": [], "dropfl": [], "flower": []}
+    samples: dict[str, list[float]] = {"loop": [], "dropfl": [], "dropfl_torch_ops": [], "flower": []}
+    transports = {"loop": loop, "dropfl": batched, "dropfl_torch_ops": torch_ops}
+    names = ["loop", "dropfl", "dropfl_torch_ops", "flower"]
     loads: list[tuple[str, float]] = []
     flower_runs: list[dict] = []
     for r in range(max(args.repeats, args.flower_runs)):
-        order = ["loop", "dropfl", "flower"][r % 3:] + ["loop", "dropfl", "flower"][:r % 3]
+        order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             if name == "flower" and (r >= args.flower_runs):
                 continue
@@ -134,10 +142,11 @@ def main() -> None:
                 flower_runs.append(run)
                 rate = run["client_steps_per_s"]
             else:
-                rate = round_rate(loop if name == "loop" else batched, w, args.steps)
+                rate = round_rate(transports[name], w, args.steps)
             samples[name].append(rate)
-            print(f"repeat {r}: {name:7s} {rate:8.0f} client-steps/s   (load {loads[-1][1]:.2f})", flush=True)
+            print(f"repeat {r}: {name:16s} {rate:8.0f} client-steps/s   (load {loads[-1][1]:.2f})", flush=True)
     batched.batched.close()
+    torch_ops.batched.close()
 
     flop = flops_per_step()
     peak = peak_flops()
@@ -146,12 +155,13 @@ def main() -> None:
     result["ratio_vs_flower"] = result["dropfl"] / result["flower"] if result["flower"] else None
     result["ratio_vs_bound"] = result["dropfl"] / result["bound"]
     result["ratio_vs_loop"] = result["dropfl"] / result["loop"]
+    result["native_kernel_speedup"] = result["dropfl"] / result["dropfl_torch_ops"]
     result["samples"] = samples
     result["setup"] = {
         "workload": f"MimiC FMNIST: {CLIENTS} clients x {SAMPLES} samples, mimic-cnn, batch {BATCH}, FedAvg, "
                     f"full participation; {args.steps} steps per client per measured round "
                     f"(paper: {PAPER_STEPS})",
-        "statistic": "median over repeats; loop and dropfl interleaved with the Flower runs",
+        "statistic": "median over repeats; loop, dropfl and dropfl_torch_ops interleaved with the Flower runs",
         "threads": args.threads, "dropfl_workers": batched.batched.workers, "flower_actors": 2,
         "flower_worker_niceness": 0,
         "flops_per_step": flop, "peak_flops": peak, "peak_method": "2048x2048 fp32 matmul, best of 10",
@@ -186,9 +196,12 @@ def markdown(r: dict) -> str:
         "| engine | what | client-steps/s | × loop | of FLOP bound |\n|---|---|---:|---:|---:|\n"
         + row("loop", "dropfl reference: per-client loop")
         + row("dropfl", f"dropfl batched engine, {s['dropfl_workers']} workers")
+        + (row("dropfl_torch_ops", "the same, first layer in torch ops (no native kernel)")
+           if r.get("dropfl_torch_ops") else "")
         + row("flower", "Flower simulation (Ray, 2 actors × 1 CPU)")
         + row("bound", f"{s['peak_flops'] / 1e9:.0f} GFLOP/s ÷ {s['flops_per_step'] / 1e6:.1f} MFLOP/step")
-        + f"\ndropfl / Flower: **{flower_ratio}**; dropfl / FLOP bound: **{r['ratio_vs_bound']:.1%}**.\n"
+        + f"\ndropfl / Flower: **{flower_ratio}**; dropfl / FLOP bound: **{r['ratio_vs_bound']:.1%}**; "
+        f"fused first-layer kernel: **{r['native_kernel_speedup']:.2f}×** the same engine in torch ops.\n"
     )
 
 

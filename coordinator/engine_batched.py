@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator import kernels
+from coordinator.kernels import conv_pool_relu
 from edge_client.models import VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_plan, client_generator
 
@@ -53,8 +55,8 @@ class _Batch:
     """The active clients' parameters and this step's batch; batched layers for the model forwards."""
 
     def __init__(self, params: dict[str, torch.Tensor], step: _Step, gens: list[torch.Generator],
-                 x_all: torch.Tensor):
-        self.p, self.s, self.gens, self.x_all = params, step, gens, x_all
+                 x_all: torch.Tensor, native: bool = False):
+        self.p, self.s, self.gens, self.x_all, self.native = params, step, gens, x_all, native
         self.k, self.b = step.rows.shape
 
     # inputs -------------------------------------------------------------------------------------
@@ -73,6 +75,15 @@ class _Batch:
     def conv(self, h: torch.Tensor, name: str, padding: int = 0) -> torch.Tensor:
         w, b = self.p[name + ".weight"], self.p[name + ".bias"]
         return F.conv2d(h, w.reshape(-1, *w.shape[2:]), b.reshape(-1), padding=padding, groups=self.k)
+
+    def conv_pool_relu(self, name: str) -> torch.Tensor:
+        """The LeNets' first layer on the images, relu(max_pool(conv(x), 2)): fused in one native kernel
+        (coordinator/kernels/conv_pool.cpp) when the engine has it, else the same with torch ops.
+        (relu after the pool, as in `_lenet`: same values and gradient routing, 4x fewer elements.)"""
+        if self.native:
+            return conv_pool_relu(self.x_all, self.s.rows, self.p[name + ".weight"].flatten(0, 1),
+                                  self.p[name + ".bias"].reshape(-1))
+        return torch.relu(max_pool(self.conv(self.images(), name)))
 
     def linear(self, h: torch.Tensor, name: str) -> torch.Tensor:
         """h [K, B, in] @ wᵀ + b; the weight is held transposed ([K, in, out], see `Group`)."""
@@ -114,14 +125,14 @@ def max_pool(h: torch.Tensor, k: int = 2) -> torch.Tensor:
 def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
     # relu(max_pool(x)) = max_pool(relu(x)) value for value (relu is monotone) and routes the same
     # gradient (the window's first maximum, zero where the maximum is <= 0): 4x fewer relu elements.
-    h = torch.relu(max_pool(z.conv(z.images(), "conv1")))
+    h = z.conv_pool_relu("conv1")
     h = torch.relu(max_pool(z.conv(h, "conv2")))
     h = torch.relu(z.linear(z.to_rows(h), "fc1"))
     return z.linear(torch.relu(z.linear(h, "fc2")), "fc3")
 
 
 def _fdms(m: FdmsMnistCNN, z: _Batch) -> torch.Tensor:
-    h = torch.relu(max_pool(z.conv(z.images(), "conv1")))
+    h = z.conv_pool_relu("conv1")
     h = torch.relu(max_pool(z.dropout(z.conv(h, "conv2"), m.drop2d, conv_layout=True)))
     h = z.dropout(torch.relu(z.linear(z.to_rows(h), "fc1")), m.drop, conv_layout=False)
     return z.linear(h, "fc2")
@@ -174,10 +185,13 @@ class Group:
     """Trains a list of tasks as one batched computation. Holds the preloaded data of all clients."""
 
     def __init__(self, model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
-                 sizes: list[int], device: str | torch.device = "cpu", threads: int = 1):
+                 sizes: list[int], device: str | torch.device = "cpu", threads: int = 1, native: bool = True):
         self.model, self.forward, self.threads = model, batched_forward(model), threads
         self.device = torch.device(device)
-        self.x_all, self.y_all = x_all.to(self.device), y_all.to(self.device)
+        self.x_all, self.y_all = x_all.to(self.device).contiguous(), y_all.to(self.device)
+        # the fused first layer (coordinator/kernels) where it can run: CPU, float32/64 images
+        self.native = (native and self.device.type == "cpu" and self.x_all.dim() == 4
+                       and self.x_all.dtype in (torch.float32, torch.float64) and kernels.available())
         self.offsets, self.sizes = offsets, sizes
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
@@ -224,7 +238,7 @@ class Group:
         for step in self._steps(tasks, plans):
             k = step.k
             live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
-            z = _Batch(live, step, gens[:k], self.x_all)
+            z = _Batch(live, step, gens[:k], self.x_all, self.native)
             logits = self.forward(self.model, z)
             ce = F.cross_entropy(logits.reshape(k * z.b, -1), step.y.reshape(-1), reduction="none").view(k, z.b)
             sizes = torch.tensor(step.sizes, dtype=ce.dtype, device=dev)
@@ -317,12 +331,12 @@ def _keep_freed_memory() -> None:
 
 
 def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
-                 sizes: list[int], threads: int) -> None:
+                 sizes: list[int], threads: int, native: bool) -> None:
     global _WORKER
     _die_with_parent()
     _keep_freed_memory()
     torch.set_num_threads(threads)
-    _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads)
+    _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads, native=native)
 
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
@@ -335,10 +349,12 @@ class BatchedEngine:
 
     Data is concatenated once ([Σ n_i, ...]) and handed to the workers once (shared memory); a round
     only ships the global weights and the tasks. On CUDA, everything runs in this process.
+    `native=False` runs the LeNets' first layer with torch ops instead of the fused kernel
+    (coordinator/kernels; for A/B measurements and tests: the results agree to rounding).
     """
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
-                 workers: int | None = None, groups: int = 2, device: str | None = None):
+                 workers: int | None = None, groups: int = 2, device: str | None = None, native: bool = True):
         self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         sizes = [len(y) for _, y in client_data]
@@ -352,12 +368,14 @@ class BatchedEngine:
             workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
         self.groups, self.workers = max(1, groups), workers
         threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
-        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads) if workers == 0 else None
+        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, native) if workers == 0 else None
         if workers > 0:
             import torch.multiprocessing as tmp
+            if native:
+                kernels.load()  # compile here, once, before the workers look for it
             self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
                                             initargs=(model, x_all.share_memory_(), y_all.share_memory_(),
-                                                      offsets, sizes, threads))
+                                                      offsets, sizes, threads, native))
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
         """`groups` contiguous slices of the task list, fixed by the tasks alone (not by `workers`)."""

@@ -1,0 +1,148 @@
+"""Native kernels of the batched engine, compiled on first use (g++) and loaded with ctypes.
+
+One kernel for now, `conv_pool.cpp`: the LeNets' first layer, relu(max_pool2d(conv2d(·), 2)), fused,
+for K clients at once (forward and weight/bias gradients). It is optional: without a C++ compiler,
+or with DROPFL_NATIVE=0, `available()` is False and the engine runs the same layer with torch ops.
+
+The shared library is built with `g++ -O3 -march=native` into a cache directory keyed by the source,
+the compiler and this CPU (`$XDG_CACHE_HOME/dropfl/kernels`, else `~/.cache/dropfl/kernels`), so
+it is compiled once per machine (~1 s) and never run on a CPU it was not built for. Written with
+ctypes rather than a torch C++ extension: it needs no torch headers and no ninja, builds in about
+a second, and the kernel only ever sees raw pointers to contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("conv_pool.cpp")
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the architecture and (on Linux) the CPU's model and flags."""
+    ident = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            ident += "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        pass
+    return ident
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dropfl" / "kernels"
+
+
+def _build(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_id().encode())
+    target = cache_dir() / f"conv_pool-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)   # concurrent builders: last rename wins
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it if needed; None (with one warning) if it cannot be built."""
+    global _lib, _error
+    with _lock:
+        if _lib is not None or _error is not None:
+            return _lib
+        if os.environ.get("DROPFL_NATIVE", "1") == "0":
+            _error = "disabled by DROPFL_NATIVE=0"
+            return None
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        try:
+            if cxx is None:
+                raise RuntimeError("no C++ compiler (g++) on PATH")
+            lib = ctypes.CDLL(str(_build(cxx)))
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            for name in ("dropfl_conv_pool_fwd_f32", "dropfl_conv_pool_fwd_f64",
+                         "dropfl_conv_pool_bwd_f32", "dropfl_conv_pool_bwd_f64"):
+                getattr(lib, name).argtypes = [ptr] * 6 + [i64] * 8
+                getattr(lib, name).restype = None
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _error = str(e)
+            warnings.warn(f"dropfl: native kernels unavailable ({_error}); the batched engine uses torch ops "
+                          "for the LeNets' first layer (same results, slower)", stacklevel=2)
+        return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _ptr(t: torch.Tensor) -> int:
+    assert t.is_contiguous() and t.device.type == "cpu", "native kernels take contiguous CPU tensors"
+    return t.data_ptr()
+
+
+class ConvPoolRelu(torch.autograd.Function):
+    """relu(max_pool2d(conv2d(x_k, w_k, b_k), 2)) for K clients, fused (coordinator/kernels/conv_pool.cpp).
+
+    x_all [N, Cin, H, W] (all preloaded images), rows [K, B] (client k's b-th sample is x_all[rows[k, b]]),
+    w [K·O, Cin, R, S], bias [K·O] → [B, K·O, Hp, Wp] in channels-last memory, as the grouped
+    convolution, max-pool and relu of the torch path would give it. Gradients for w and bias only.
+    """
+
+    @staticmethod
+    def forward(ctx, x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        lib = load()
+        assert lib is not None
+        k, b = rows.shape
+        _, cin, h, wd = x_all.shape
+        o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
+        hp, wp = (h - r + 1) // 2, (wd - s + 1) // 2
+        x_all, rows, w, bias = x_all.contiguous(), rows.contiguous(), w.contiguous(), bias.contiguous()
+        y = torch.empty((b, hp, wp, k * o), dtype=w.dtype)
+        arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
+        fwd = lib.dropfl_conv_pool_fwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv_pool_fwd_f32
+        fwd(_ptr(x_all), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, h, wd, k, cin, o, r, s)
+        ctx.save_for_backward(x_all, rows, arg)
+        ctx.dims = (b, h, wd, k, cin, o, r, s)
+        ctx.w_shape = w.shape
+        return y.permute(0, 3, 1, 2)  # [B, K·O, Hp, Wp], channels-last in memory
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        lib = load()
+        assert lib is not None
+        x_all, rows, arg = ctx.saved_tensors
+        gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
+        gw = torch.empty(ctx.w_shape, dtype=gy.dtype)
+        gb = torch.empty(ctx.w_shape[0], dtype=gy.dtype)
+        bwd = lib.dropfl_conv_pool_bwd_f64 if gy.dtype == torch.float64 else lib.dropfl_conv_pool_bwd_f32
+        bwd(_ptr(x_all), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *ctx.dims)
+        return None, None, gw, gb
+
+
+def conv_pool_relu(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return ConvPoolRelu.apply(x_all, rows, w, bias)

@@ -1,0 +1,133 @@
+"""The fused first-layer kernel (coordinator/kernels/conv_pool.cpp) against the torch ops it replaces.
+
+relu(max_pool2d(conv2d(x, w, b, groups=K), 2)) for K clients: values, weight and bias gradients in
+float64 to 1e-12 (the kernel sums each output's products in another order than mkldnn, nothing
+else differs), exact gradient routing at exact ties (blank image regions, where every conv output
+of a window equals the bias), NaN propagation, shapes with an odd conv output and more columns than
+one vector, and the engine with and without the kernel. Skipped only where no C++ compiler exists.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coordinator import kernels
+from coordinator.engine_batched import BatchedEngine
+from edge_client.models import build_model, get_flat
+from edge_client.trainer import TrainTask
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler: the engine uses torch ops")
+
+
+def torch_layer(x_all, rows, w, b):
+    k, batch = rows.shape
+    x = x_all[rows.t().reshape(-1)].reshape(batch, k * x_all.shape[1], *x_all.shape[2:])
+    return torch.relu(F.max_pool2d(F.conv2d(x, w, b, groups=k), 2))
+
+
+def both(x_all, rows, w, b, grad_out):
+    """(y, dw, db) from the kernel and from torch ops."""
+    out = []
+    for fn in (kernels.conv_pool_relu, torch_layer):
+        wv, bv = w.clone().requires_grad_(), b.clone().requires_grad_()
+        y = fn(x_all, rows, wv, bv)
+        dw, db = torch.autograd.grad((y * grad_out).sum(), [wv, bv])
+        out.append((y.detach(), dw, db))
+    return out
+
+
+@pytest.mark.parametrize("cin,side,o", [(1, 28, 6), (3, 32, 6), (1, 28, 10), (2, 27, 4), (1, 41, 3)])
+def test_matches_torch_ops_in_float64(cin: int, side: int, o: int) -> None:
+    """mimic-cnn, cifar-lenet, fdms-cnn shapes; an odd conv output (27 → 23, pooled 11); 18 pooled
+    columns (more than one vector of 16 floats or 8 doubles)."""
+    g = torch.Generator().manual_seed(0)
+    k, batch, n = 4, 5, 30
+    x_all = torch.randn(n, cin, side, side, generator=g, dtype=torch.float64)
+    rows = torch.randint(0, n, (k, batch), generator=g)
+    w = torch.randn(k * o, cin, 5, 5, generator=g, dtype=torch.float64) * 0.2
+    b = torch.randn(k * o, generator=g, dtype=torch.float64) * 0.2
+    hp = (side - 4) // 2
+    grad_out = torch.randn(batch, k * o, hp, hp, generator=g, dtype=torch.float64)
+    (y, dw, db), (y_ref, dw_ref, db_ref) = both(x_all, rows, w, b, grad_out)
+    assert y.shape == y_ref.shape == (batch, k * o, hp, hp)
+    assert y.is_contiguous(memory_format=torch.channels_last)   # what the next grouped conv reads fastest
+    assert (y > 0).float().mean() > 0.2                         # relu leaves a real share of positions
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-12)
+    assert torch.allclose(dw, dw_ref, rtol=0, atol=1e-12)
+    assert torch.allclose(db, db_ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ties_route_to_the_first_maximum_exactly(dtype: torch.dtype) -> None:
+    """Blank images: every conv output of a window is exactly the bias, a 4-way tie. The gradient must
+    go to the window's first position where bias > 0 and nowhere where bias <= 0, as in torch.
+    Inputs, weights and output gradients are small integers or quarters, so every sum is exact in any
+    order and the kernel must agree with torch bit for bit: any misrouted gradient shows."""
+    k, batch, o = 3, 2, 6
+    x_all = torch.zeros(4, 1, 28, 28, dtype=dtype)
+    x_all[1, 0, 10:20, 5:9] = 1.0     # one image with a patch: some windows are not ties
+    rows = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    w = torch.full((k * o, 1, 5, 5), 0.25, dtype=dtype)
+    b = torch.tensor([0.5, -0.5, 0.0, 1.0, -1.0, 2.0] * k, dtype=dtype)
+    grad_out = (torch.arange(batch * k * o * 144) % 7 + 1).to(dtype).reshape(batch, k * o, 12, 12)
+    (y, dw, db), (y_ref, dw_ref, db_ref) = both(x_all, rows, w, b, grad_out)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(db, db_ref)
+    assert torch.equal(dw, dw_ref)
+    # client 2 sees only blank images: where its bias is -0.5 or 0.0, relu passes nothing
+    assert db[13] == 0 and db[14] == 0 and db[12] > 0 and dw[13].abs().sum() == 0
+
+
+def test_nan_propagates_as_in_torch() -> None:
+    x_all = torch.rand(2, 1, 28, 28)
+    x_all[0, 0, 3, 3] = float("nan")
+    rows = torch.tensor([[0, 1]])
+    w, b = torch.rand(6, 1, 5, 5), torch.rand(6)
+    y = kernels.conv_pool_relu(x_all, rows, w, b)
+    y_ref = torch_layer(x_all, rows, w, b)
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref)) and torch.isnan(y).any()
+    ok = ~torch.isnan(y_ref)
+    assert torch.allclose(y[ok], y_ref[ok], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mimic-cnn", "fdms-cnn", "cifar-lenet"])
+def test_engine_with_and_without_kernel(name: str) -> None:
+    """The batched engine's rounds with the kernel = the same engine with torch ops (float64, 1e-10):
+    clients of different sizes, steps and learning rates (the prefix of active clients shrinks)."""
+    shape = (3, 32, 32) if name == "cifar-lenet" else (1, 28, 28)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.rand(n, *shape, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g))
+            for n in (21, 16, 9)]
+    model = build_model(name, shape, 10, seed=3).double()
+    w = get_flat(model)
+    tasks = [TrainTask(client=0, round=1, lr=0.05, batch_size=4, epochs=1, seed=2),
+             TrainTask(client=1, round=1, lr=0.1, batch_size=4, steps=2, seed=2),
+             TrainTask(client=2, round=1, lr=0.05, batch_size=4, steps=6, seed=2)]
+    fast = BatchedEngine(model, data, workers=0, native=True)
+    plain = BatchedEngine(model, data, workers=0, native=False)
+    assert fast.local.native and not plain.local.native
+    for a, b in zip(fast.run(w, tasks), plain.run(w, tasks)):
+        assert a.steps == b.steps
+        assert (a.delta - b.delta).abs().max() < 1e-10
+        assert a.delta.abs().max() > 1e-4
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from coordinator import kernels\nprint(kernels.available())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_disabled_or_unbuildable_kernel_falls_back_with_a_warning(tmp_path) -> None:
+    off = _probe({"DROPFL_NATIVE": "0"})
+    assert off.stdout.strip() == "False"
+    broken = _probe({"CXX": "false", "XDG_CACHE_HOME": str(tmp_path)})   # a compiler that always fails
+    assert broken.stdout.strip() == "False" and "native kernels unavailable" in broken.stderr
+    assert list((tmp_path / "dropfl" / "kernels").glob("*")) == []      # no half-written library left
