@@ -16,6 +16,9 @@ Exactness, client by client (see docs/engine.md):
 - FedProx (prox_mu) and SCAFFOLD (grad_correction) are added to each client's gradient as in
   `local_train`, then w ← w − lr·g with the client's own lr.
 
+The LeNets' first layer, relu(max_pool(conv)), runs as one native kernel (coordinator/kernels,
+compiled with g++ on first use; torch ops where it cannot be built): docs/engine.md.
+
 Workers: the tasks of a round are cut into `groups` fixed slices (independent of the worker
 count); `workers` processes (1 thread each) train the slices. A slice's result does not depend on
 which process or how many processes trained it, so the same seed gives the same weights.

@@ -118,6 +118,12 @@ def test_engine_with_and_without_kernel(name: str) -> None:
         assert a.delta.abs().max() > 1e-4
 
 
+def test_mixed_dtypes_are_refused() -> None:
+    with pytest.raises(TypeError, match="one dtype"):
+        kernels.conv_pool_relu(torch.rand(2, 1, 28, 28), torch.tensor([[0, 1]]), torch.rand(6, 1, 5, 5).double(),
+                               torch.rand(6).double())
+
+
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
     code = ("import warnings; warnings.simplefilter('always')\n"
             "from coordinator import kernels\nprint(kernels.available())")

@@ -117,6 +117,9 @@ class ConvPoolRelu(torch.autograd.Function):
     def forward(ctx, x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         lib = load()
         assert lib is not None
+        if x_all.dtype != w.dtype or w.dtype not in (torch.float32, torch.float64) or bias.dtype != w.dtype:
+            raise TypeError(f"conv_pool_relu: images {x_all.dtype}, weight {w.dtype}, bias {bias.dtype}: "
+                            "need one dtype, float32 or float64")
         k, b = rows.shape
         _, cin, h, wd = x_all.shape
         o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
