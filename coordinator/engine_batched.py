@@ -16,8 +16,8 @@ Exactness, client by client (see docs/engine.md):
 - FedProx (prox_mu) and SCAFFOLD (grad_correction) are added to each client's gradient as in
   `local_train`, then w ← w − lr·g with the client's own lr.
 
-The LeNets' first layer, relu(max_pool(conv)), runs as one native kernel (coordinator/kernels,
-compiled with g++ on first use; torch ops where it cannot be built): docs/engine.md.
+The LeNets' first two layers, each relu(max_pool(conv)), run as native kernels (coordinator/kernels,
+compiled with g++ on first use; torch ops where they cannot be built): docs/engine.md.
 
 Workers: the tasks of a round are cut into `groups` fixed slices (independent of the worker
 count); `workers` processes (1 thread each) train the slices. A slice's result does not depend on
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coordinator import kernels
-from coordinator.kernels import conv_pool_relu
+from coordinator.kernels import conv2_pool_relu, conv_pool_relu
 from edge_client.models import VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_plan, client_generator
 
@@ -88,6 +88,14 @@ class _Batch:
                                   self.p[name + ".bias"].reshape(-1))
         return torch.relu(max_pool(self.conv(self.images(), name)))
 
+    def conv2_pool_relu(self, h: torch.Tensor, name: str) -> torch.Tensor:
+        """The LeNets' second layer, relu(max_pool(conv(h), 2)), returned in row layout [K, B, C·H·W]:
+        one native kernel (coordinator/kernels/conv_pool.cpp) for the shapes it covers, else torch ops."""
+        w, b = self.p[name + ".weight"], self.p[name + ".bias"]   # [K, O, Cin, R, S], [K, O]
+        if self.native and kernels.inner_fits(w.shape[2], w.shape[1], tuple(w.shape[3:]), w.dtype):
+            return conv2_pool_relu(h, w.flatten(0, 1), b.reshape(-1), self.k)
+        return self.to_rows(torch.relu(max_pool(self.conv(h, name))))
+
     def linear(self, h: torch.Tensor, name: str) -> torch.Tensor:
         """h [K, B, in] @ wᵀ + b; the weight is held transposed ([K, in, out], see `Group`)."""
         wt, b = self.p[name + ".weight"], self.p[name + ".bias"]
@@ -128,9 +136,8 @@ def max_pool(h: torch.Tensor, k: int = 2) -> torch.Tensor:
 def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
     # relu(max_pool(x)) = max_pool(relu(x)) value for value (relu is monotone) and routes the same
     # gradient (the window's first maximum, zero where the maximum is <= 0): 4x fewer relu elements.
-    h = z.conv_pool_relu("conv1")
-    h = torch.relu(max_pool(z.conv(h, "conv2")))
-    h = torch.relu(z.linear(z.to_rows(h), "fc1"))
+    h = z.conv2_pool_relu(z.conv_pool_relu("conv1"), "conv2")   # row layout [K, B, 16·H·W]
+    h = torch.relu(z.linear(h, "fc1"))
     return z.linear(torch.relu(z.linear(h, "fc2")), "fc3")
 
 

@@ -1,10 +1,11 @@
-"""The fused first-layer kernel (coordinator/kernels/conv_pool.cpp) against the torch ops it replaces.
+"""The fused layer kernels (coordinator/kernels/conv_pool.cpp) against the torch ops they replace.
 
-relu(max_pool2d(conv2d(x, w, b, groups=K), 2)) for K clients: values, weight and bias gradients in
-float64 to 1e-12 (the kernel sums each output's products in another order than mkldnn, nothing
-else differs), exact gradient routing at exact ties (blank image regions, where every conv output
-of a window equals the bias), NaN propagation, shapes with an odd conv output and more columns than
-one vector, and the engine with and without the kernel. Skipped only where no C++ compiler exists.
+relu(max_pool2d(conv2d(x, w, b, groups=K), 2)) for K clients, as the LeNets' first layer (on the
+images, by index) and second layer (on activations, output in row layout): values and gradients in
+float64 to 1e-12 (the kernels sum each output's products in another order than mkldnn, nothing
+else differs), exact gradient routing at exact ties (blank regions, where every conv output of a
+window equals the bias), NaN propagation, shapes with an odd conv output and more columns than one
+vector, and the engine with and without the kernels. Skipped only where no C++ compiler exists.
 """
 
 from __future__ import annotations
@@ -82,6 +83,59 @@ def test_ties_route_to_the_first_maximum_exactly(dtype: torch.dtype) -> None:
     assert torch.equal(dw, dw_ref)
     # client 2 sees only blank images: where its bias is -0.5 or 0.0, relu passes nothing
     assert db[13] == 0 and db[14] == 0 and db[12] > 0 and dw[13].abs().sum() == 0
+
+
+def torch_layer2(h, w, b, k):
+    y = torch.relu(F.max_pool2d(F.conv2d(h, w, b, groups=k), 2))
+    return y.reshape(y.shape[0], k, -1).transpose(0, 1)          # the engine's row layout [K, B, O·Hp·Wp]
+
+
+def both2(h, w, b, k, grad_out):
+    out = []
+    for fn in (kernels.conv2_pool_relu, torch_layer2):
+        hv, wv, bv = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        y = fn(hv, wv, bv, k)
+        out.append((y.detach(), *torch.autograd.grad((y * grad_out).sum(), [hv, wv, bv])))
+    return out
+
+
+@pytest.mark.parametrize("dtype,side,o", [(torch.float64, 12, 16), (torch.float64, 14, 16), (torch.float64, 11, 5),
+                                          (torch.float32, 13, 32), (torch.float32, 12, 16)])
+def test_second_layer_matches_torch_ops(dtype: torch.dtype, side: int, o: int) -> None:
+    """mimic-cnn (12 → 4×4) and cifar-lenet (14 → 5×5, two column blocks) second layers, an odd conv
+    output, and 32 channels (two vectors of float32); float32 at float32 rounding."""
+    g = torch.Generator().manual_seed(1)
+    k, batch = 4, 5
+    h = torch.randn(batch, k * 6, side, side, generator=g, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(k * o, 6, 5, 5, generator=g, dtype=dtype) * 0.1
+    b = torch.randn(k * o, generator=g, dtype=dtype) * 0.1
+    hp = (side - 4) // 2
+    grad_out = torch.randn(k, batch, o * hp * hp, generator=g, dtype=dtype)
+    (y, dh, dw, db), (y_ref, dh_ref, dw_ref, db_ref) = both2(h, w, b, k, grad_out)
+    assert y.shape == y_ref.shape == (k, batch, o * hp * hp)
+    assert dh.is_contiguous(memory_format=torch.channels_last)   # what the first layer's backward reads
+    assert (y > 0).float().mean() > 0.2
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    for got, want in ((y, y_ref), (dh, dh_ref), (dw, dw_ref), (db, db_ref)):
+        assert torch.allclose(got, want, rtol=0, atol=tol)
+
+
+def test_second_layer_ties_and_unsupported_shapes() -> None:
+    """Blank input: 4-way ties everywhere, integer gradients: bit-equal to torch. Shapes without a
+    kernel are refused (the engine then uses torch ops; kernels.inner_fits)."""
+    k, batch, o = 2, 3, 16
+    h = torch.zeros(batch, k * 6, 12, 12, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    h[1, 3, 2:6, 4:7] = 1.0
+    w = torch.full((k * o, 6, 5, 5), 0.5, dtype=torch.float64)
+    b = torch.tensor([1.0, -1.0, 0.0, 2.0] * (k * o // 4), dtype=torch.float64)
+    grad_out = (torch.arange(k * batch * o * 16) % 5 + 1).to(torch.float64).reshape(k, batch, -1)
+    (y, dh, dw, db), (y_ref, dh_ref, dw_ref, db_ref) = both2(h, w, b, k, grad_out)
+    for got, want in ((y, y_ref), (dh, dh_ref), (dw, dw_ref), (db, db_ref)):
+        assert torch.equal(got, want)
+    assert not kernels.inner_fits(10, 20, (5, 5), torch.float32)          # fdms-cnn's conv2
+    assert not kernels.inner_fits(6, 17, (5, 5), torch.float64)           # more than 2 vectors
+    with pytest.raises(ValueError, match="no kernel"):
+        kernels.conv2_pool_relu(torch.rand(2, 20, 12, 12), torch.rand(40, 10, 5, 5), torch.rand(40), 2)
 
 
 def test_nan_propagates_as_in_torch() -> None:

@@ -1,8 +1,10 @@
 """Native kernels of the batched engine, compiled on first use (g++) and loaded with ctypes.
 
-One kernel for now, `conv_pool.cpp`: the LeNets' first layer, relu(max_pool2d(conv2d(·), 2)), fused,
-for K clients at once (forward and weight/bias gradients). It is optional: without a C++ compiler,
-or with DROPFL_NATIVE=0, `available()` is False and the engine runs the same layer with torch ops.
+`conv_pool.cpp` holds the LeNets' first two layers, each relu(max_pool2d(conv2d(·), 2)) fused, for K
+clients at once: `conv_pool_relu` (the first, on the images, weight/bias gradients) and
+`conv2_pool_relu` (the second, on activations, all gradients). They are optional: without a C++
+compiler, or with DROPFL_NATIVE=0, `available()` is False and the engine runs the same layers with
+torch ops.
 
 The shared library is built with `g++ -O3 -march=native` into a cache directory keyed by the source,
 the compiler and this CPU (`$XDG_CACHE_HOME/dropfl/kernels`, else `~/.cache/dropfl/kernels`), so
@@ -84,10 +86,12 @@ def load() -> ctypes.CDLL | None:
                 raise RuntimeError("no C++ compiler (g++) on PATH")
             lib = ctypes.CDLL(str(_build(cxx)))
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            for name in ("dropfl_conv_pool_fwd_f32", "dropfl_conv_pool_fwd_f64",
-                         "dropfl_conv_pool_bwd_f32", "dropfl_conv_pool_bwd_f64"):
-                getattr(lib, name).argtypes = [ptr] * 6 + [i64] * 8
-                getattr(lib, name).restype = None
+            for name, pointers in (("conv_pool_fwd", 6), ("conv_pool_bwd", 6), ("conv2_pool_fwd", 5),
+                                   ("conv2_pool_bwd", 7)):
+                for suffix in ("f32", "f64"):
+                    fn = getattr(lib, f"dropfl_{name}_{suffix}")
+                    fn.argtypes = [ptr] * pointers + [i64] * 8
+                    fn.restype = ctypes.c_int if name.startswith("conv2") else None
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -117,9 +121,7 @@ class ConvPoolRelu(torch.autograd.Function):
     def forward(ctx, x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         lib = load()
         assert lib is not None
-        if x_all.dtype != w.dtype or w.dtype not in (torch.float32, torch.float64) or bias.dtype != w.dtype:
-            raise TypeError(f"conv_pool_relu: images {x_all.dtype}, weight {w.dtype}, bias {bias.dtype}: "
-                            "need one dtype, float32 or float64")
+        _check_dtypes("conv_pool_relu", x_all, w, bias)
         k, b = rows.shape
         _, cin, h, wd = x_all.shape
         o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
@@ -149,3 +151,59 @@ class ConvPoolRelu(torch.autograd.Function):
 
 def conv_pool_relu(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return ConvPoolRelu.apply(x_all, rows, w, bias)
+
+
+def _check_dtypes(name: str, *ts: torch.Tensor) -> None:
+    if len({t.dtype for t in ts}) != 1 or ts[0].dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name}: dtypes {[str(t.dtype) for t in ts]}: need one dtype, float32 or float64")
+
+
+def inner_fits(in_channels: int, out_channels: int, kernel: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether `conv2_pool_relu` takes this layer: the LeNets' second layer (6 input channels per client,
+    5×5, at most 2 vectors of output channels: 32 float32, 16 float64). Others run as torch ops."""
+    lanes = {torch.float32: 16, torch.float64: 8}.get(dtype, 0)
+    return in_channels == 6 and tuple(kernel) == (5, 5) and 0 < out_channels <= 2 * lanes
+
+
+class Conv2PoolRelu(torch.autograd.Function):
+    """relu(max_pool2d(conv2d(h, w, b, groups=K), 2)) on activations, fused (the LeNets' second layer).
+
+    h [B, K·Cin, H, W] in channels-last memory (the first layer's output), w [K·O, Cin, R, S], bias [K·O]
+    → [K, B, O·Hp·Wp]: each client's `flatten(1)` of its pooled map, the row layout of the
+    fully connected layers. Gradients for h, w and bias; the backward only visits routed outputs.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+        lib = load()
+        assert lib is not None
+        _check_dtypes("conv2_pool_relu", h, w, bias)
+        b, kc, hh, wd = h.shape
+        cin, o, r, s = kc // k, w.shape[0] // k, w.shape[2], w.shape[3]
+        if not inner_fits(cin, o, (r, s), w.dtype):
+            raise ValueError(f"conv2_pool_relu: no kernel for {cin}→{o} channels, {r}×{s}, {w.dtype} (see inner_fits)")
+        hp, wp = (hh - r + 1) // 2, (wd - s + 1) // 2
+        hl, w, bias = h.permute(0, 2, 3, 1).contiguous(), w.contiguous(), bias.contiguous()  # [B, H, W, K·Cin]
+        y = torch.empty((k, b, o * hp * wp), dtype=w.dtype)
+        arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
+        fwd = lib.dropfl_conv2_pool_fwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv2_pool_fwd_f32
+        assert fwd(_ptr(hl), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, hh, wd, k, cin, o, r, s) == 0
+        ctx.save_for_backward(hl, w, arg)
+        ctx.dims = (b, hh, wd, k, cin, o, r, s)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        lib = load()
+        assert lib is not None
+        hl, w, arg = ctx.saved_tensors
+        gy = gy.contiguous()
+        gh = torch.empty_like(hl)
+        gw, gb = torch.empty_like(w), torch.empty(w.shape[0], dtype=w.dtype)
+        bwd = lib.dropfl_conv2_pool_bwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv2_pool_bwd_f32
+        assert bwd(_ptr(hl), _ptr(w), _ptr(gy), _ptr(arg), _ptr(gh), _ptr(gw), _ptr(gb), *ctx.dims) == 0
+        return gh.permute(0, 3, 1, 2), gw, gb, None
+
+
+def conv2_pool_relu(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    return Conv2PoolRelu.apply(h, w, bias, k)

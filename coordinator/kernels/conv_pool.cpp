@@ -1,14 +1,17 @@
-// Fused first layer of the LeNets for the batched engine, K clients at once:
-//     y = relu(max_pool2d(conv2d(x_k, w_k, b_k), 2))  for every client k,
-// the forward and the weight/bias gradients (the first layer needs no input gradient).
-// See docs/engine.md, "The fused first layer".
+// Fused layers of the LeNets for the batched engine, K clients at once:
+//     y = relu(max_pool2d(conv2d(x_k, w_k, b_k), 2))  for every client k.
+// First layer (on the images): forward and weight/bias gradients (the images need no gradient).
+// Second layer (on the first layer's output, further below): forward and all gradients.
+// See docs/engine.md, "The fused layers".
 //
-// Written by hand because no library has it: with one input channel per group, mkldnn runs the grouped
-// conv1 as a depthwise-like convolution at ~20 GFLOP/s, and the max-pool backward then zero-fills
-// and scatters a gradient the size of conv1's whole output (3.3 MB per 15-client step) that the
-// weight gradient reads back. Fused, the conv output never leaves registers, and the backward only
-// visits the pooled positions.
+// Written by hand because no library has them: with one input channel per group, mkldnn runs the
+// grouped conv1 as a depthwise-like convolution at ~20 GFLOP/s, and the max-pool backward then
+// zero-fills and scatters a gradient the size of conv1's whole output (3.3 MB per 15-client step)
+// that the weight gradient reads back; conv2's dense backward does 4x the work a max-pooled
+// gradient needs. Fused, conv outputs never leave registers, and the backwards only visit the
+// outputs that carry a gradient.
 //
+// ---- First layer -------------------------------------------------------------------------------
 // Arguments (all contiguous):
 //   x_all [N, Cin, H, W]  every client's preloaded images; rows [K, B] int64 picks the step's samples:
 //                         client k's b-th input is x_all[rows[k, b]]
@@ -69,20 +72,44 @@ void split_columns(const T* img, const Shape& s, T* split) {
   }
 }
 
-// The 4 window inputs of tap (ci, r, q) at pooled row i, columns from j0: window position p = 2a + c
-// is the conv output at (2i + a, 2j + c), whose tap reads column 2j + c + q.
-template <typename T>
-inline const T* tap_input(const T* split, const Shape& s, int64_t ci, int64_t i, int64_t r, int64_t q, int a, int c,
-                          int64_t j0) {
-  const int64_t y = 2 * i + a + r, col = c + q;
-  return split + ((ci * s.H + y) * 2 + (col & 1)) * s.PW + j0 + (col >> 1);
-}
-
 template <typename T>
 inline typename V<T>::type loadu(const T* p) {
   typename V<T>::type v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// The 4 window inputs of tap (ci, r, q) at pooled row i, columns j0..j0+L-1: window position p = 2a + c
+// is the conv output at (2i + a, 2j + c), whose tap reads column 2j + c + q of row 2i + a + r, i.e.
+// [j + (c+q)/2] of that row's even (c+q even) or odd half.
+template <typename T>
+inline void window_inputs(const T* split, const Shape& s, int64_t ci, int64_t i, int64_t r, int64_t q, int64_t j0,
+                          typename V<T>::type x[4]) {
+  for (int p = 0; p < 4; ++p) {
+    const int64_t y = 2 * i + p / 2 + r, col = p % 2 + q;
+    x[p] = loadu(split + ((ci * s.H + y) * 2 + (col & 1)) * s.PW + j0 + (col >> 1));
+  }
+}
+
+
+// Max-pool of a window's 4 conv outputs (row-major positions 0..3) and relu, per lane: out = relu(max)
+// and the returned position of the maximum, or 4 where relu passes no gradient (max <= 0 or NaN).
+// As PyTorch's CPU kernels: a later value wins only if greater, or NaN; relu(NaN) = NaN.
+template <typename T>
+inline auto pool_relu(typename V<T>::type v0, typename V<T>::type v1, typename V<T>::type v2,
+                      typename V<T>::type v3, typename V<T>::type& out) {
+  typedef typename V<T>::type vec;
+  const vec c[4] = {v0, v1, v2, v3};
+  vec m = c[0];
+  auto a = m < m;  // all lanes 0 (false), of the comparison's integer vector type
+  for (int p = 1; p < 4; ++p) {
+    const auto wins = (c[p] > m) | (c[p] != c[p]);
+    m = wins ? c[p] : m;
+    a = wins ? p : a;
+  }
+  const auto pass = m > 0;
+  out = (pass | (m != m)) ? m : vec{};
+  return pass ? a : 4;
 }
 
 // OB output channels per register block (4*OB accumulators + 4 inputs must fit the vector registers).
@@ -106,32 +133,16 @@ void forward(const T* x_all, const int64_t* rows, const T* w, const T* bias, T* 
           for (int64_t ci = 0; ci < s.Cin; ++ci)
             for (int64_t r = 0; r < s.R; ++r)
               for (int64_t q = 0; q < s.S; ++q) {
-                const vec x00 = loadu(tap_input(split.data(), s, ci, i, r, q, 0, 0, j0));
-                const vec x01 = loadu(tap_input(split.data(), s, ci, i, r, q, 0, 1, j0));
-                const vec x10 = loadu(tap_input(split.data(), s, ci, i, r, q, 1, 0, j0));
-                const vec x11 = loadu(tap_input(split.data(), s, ci, i, r, q, 1, 1, j0));
+                vec x[4];
+                window_inputs(split.data(), s, ci, i, r, q, j0, x);
                 const T* wt = wk + (ci * s.R + r) * s.S + q;
-                for (int o = 0; o < OB; ++o) {
-                  const T wv = wt[o * s.taps];
-                  acc[0][o] += x00 * wv;
-                  acc[1][o] += x01 * wv;
-                  acc[2][o] += x10 * wv;
-                  acc[3][o] += x11 * wv;
-                }
+                for (int o = 0; o < OB; ++o)
+                  for (int p = 0; p < 4; ++p) acc[p][o] += x[p] * wt[o * s.taps];
               }
           for (int ob = 0; ob < OB; ++ob) {
             const int64_t o = o0 + ob;
-            vec m = acc[0][ob];
-            auto a = m < m;  // all lanes 0 (false), of the comparison's integer vector type
-            for (int p = 1; p < 4; ++p) {
-              const vec v = acc[p][ob];
-              const auto wins = (v > m) | (v != v);  // PyTorch: a later value wins if greater, or NaN
-              m = wins ? v : m;
-              a = wins ? p : a;
-            }
-            const auto pass = m > 0;
-            const vec out = (pass | (m != m)) ? m : vec{};  // relu; relu(NaN) = NaN
-            a = pass ? a : 4;
+            vec out;
+            const auto a = pool_relu<T>(acc[0][ob], acc[1][ob], acc[2][ob], acc[3][ob], out);
             uint8_t* ao = arg + (((k * s.B + b) * s.O + o) * s.Hp + i) * s.Wp + j0;
             T* yo = y + ((b * s.Hp + i) * s.Wp + j0) * s.C + k * s.O + o;
             for (int64_t l = 0; l < nj; ++l) {
@@ -183,13 +194,11 @@ void backward(const T* x_all, const int64_t* rows, const T* gy, const uint8_t* a
             for (int64_t ci = 0; ci < s.Cin; ++ci)
               for (int64_t r = 0; r < s.R; ++r)
                 for (int64_t q = 0; q < s.S; ++q) {
-                  const vec x00 = loadu(tap_input(split.data(), s, ci, i, r, q, 0, 0, j0));
-                  const vec x01 = loadu(tap_input(split.data(), s, ci, i, r, q, 0, 1, j0));
-                  const vec x10 = loadu(tap_input(split.data(), s, ci, i, r, q, 1, 0, j0));
-                  const vec x11 = loadu(tap_input(split.data(), s, ci, i, r, q, 1, 1, j0));
+                  vec x[4];
+                  window_inputs(split.data(), s, ci, i, r, q, j0, x);
                   vec* d = acc + o0 * s.taps + (ci * s.R + r) * s.S + q;
                   for (int ob = 0; ob < OB; ++ob)
-                    d[ob * s.taps] += g[0][ob] * x00 + g[1][ob] * x01 + g[2][ob] * x10 + g[3][ob] * x11;
+                    d[ob * s.taps] += g[0][ob] * x[0] + g[1][ob] * x[1] + g[2][ob] * x[2] + g[3][ob] * x[3];
                 }
           }
         }
@@ -220,6 +229,185 @@ void with_block(int64_t O, F f) {
   else f(std::integral_constant<int, 1>{});
 }
 
+
+// ---- The LeNets' second layer: relu(max_pool2d(conv2d(h, w, b, groups=K), 2)) on activations ----------------
+//
+//   h    [B, H, W, K*CIN]    the first layer's output (channels-last: client k owns channels k*CIN..)
+//   w    [K*O, CIN, R, S], bias [K*O]
+//   y    [K, B, O, Hp, Wp]   output in row layout: y[k, b] is client k's `flatten(1)` of its pooled map,
+//                            what the fully connected layers read
+//   arg  [K, B, O, Hp, Wp]   uint8 window index, 4 where relu passes no gradient (as above)
+// Backward: gh [B, H, W, K*CIN] (every element written), gw, gb. Only 1 of the 4 conv outputs of a
+// window receives a gradient, so the backward visits routed outputs only: 1/4 of the dense
+// convolution backward's multiply-adds, for the input gradient and the weight gradient alike.
+//
+// Compiled for the LeNets' shape (CIN = 6, 5x5, O <= 2 vectors); other shapes use the torch ops.
+// Forward: vectorised over the output channels o, JB pooled columns at once (4 window positions x JB
+// columns x OV vectors of accumulators). Backward, per conv output position (column-major, so that
+// consecutive read-modify-writes of the input gradient hit exactly the addresses just written):
+// the routed outputs' g * w patches are summed in registers, then added to the gradient once.
+// A patch row is S*CIN contiguous values of the client's input (gathered per sample into a padded
+// buffer xk[y][x*CIN + ci]), RV vectors.
+
+constexpr int JB = 4;  // pooled columns per forward block
+constexpr int CIN2 = 6, R2 = 5, S2 = 5;
+
+struct Inner {
+  int64_t B, H, W, K, O, Hp, Wp, C;
+  int64_t nJB, XS;  // column blocks; padded row stride of xk (elements)
+};
+
+template <typename T>
+constexpr int row_vectors() { return (S2 * CIN2 + V<T>::L - 1) / V<T>::L; }
+
+template <typename T>
+Inner make_inner(int64_t B, int64_t H, int64_t W, int64_t K, int64_t O) {
+  Inner s{B, H, W, K, O, (H - R2 + 1) / 2, (W - S2 + 1) / 2, K * CIN2, 0, 0};
+  s.nJB = (s.Wp + JB - 1) / JB;
+  const int64_t cols = W > 2 * s.nJB * JB + S2 ? W : 2 * s.nJB * JB + S2;  // forward reads up to here
+  s.XS = cols * CIN2 + row_vectors<T>() * V<T>::L;                        // + a patch row's overrun
+  return s;
+}
+
+// Client k's input of sample b into xk[y * XS + x * CIN + ci], zero-padded.
+template <typename T>
+void gather_client(const T* h, const Inner& s, int64_t b, int64_t k, T* xk) {
+  std::memset(xk, 0, sizeof(T) * s.H * s.XS);
+  for (int64_t y = 0; y < s.H; ++y)
+    for (int64_t x = 0; x < s.W; ++x) {
+      const T* src = h + ((b * s.H + y) * s.W + x) * s.C + k * CIN2;
+      for (int ci = 0; ci < CIN2; ++ci) xk[y * s.XS + x * CIN2 + ci] = src[ci];
+    }
+}
+
+template <typename T, int OV>
+void inner_forward(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, const Inner& s) {
+  typedef typename V<T>::type vec;
+  constexpr int L = V<T>::L, taps = CIN2 * R2 * S2;
+  const int64_t plane = s.Hp * s.Wp;
+  std::vector<T> xk(s.H * s.XS);
+  std::vector<vec> wt(taps * OV);  // wt[(r*S + q)*CIN + ci][v]: lanes = output channels (0-padded)
+  for (int64_t k = 0; k < s.K; ++k) {
+    T* wl = reinterpret_cast<T*>(wt.data());
+    for (int t = 0; t < taps; ++t) {
+      const int r = t / (S2 * CIN2), q = t / CIN2 % S2, ci = t % CIN2;
+      for (int l = 0; l < OV * L; ++l)
+        wl[t * OV * L + l] = l < s.O ? w[(k * s.O + l) * taps + (ci * R2 + r) * S2 + q] : T(0);
+    }
+    vec b0[OV] = {};
+    for (int v = 0; v < OV; ++v)
+      for (int l = 0; l < L; ++l) b0[v][l] = v * L + l < s.O ? bias[k * s.O + v * L + l] : T(0);
+    for (int64_t b = 0; b < s.B; ++b) {
+      gather_client(h, s, b, k, xk.data());
+      T* yk = y + (k * s.B + b) * s.O * plane;
+      uint8_t* ak = arg + (k * s.B + b) * s.O * plane;
+      for (int64_t i = 0; i < s.Hp; ++i)
+        for (int64_t jb = 0; jb < s.nJB; ++jb) {
+          vec acc[JB][4][OV];
+          for (int jj = 0; jj < JB; ++jj)
+            for (int p = 0; p < 4; ++p)
+              for (int v = 0; v < OV; ++v) acc[jj][p][v] = b0[v];
+          const T* x0 = xk.data() + 2 * i * s.XS + 2 * jb * JB * CIN2;
+          for (int r = 0; r < R2; ++r)
+            for (int t = 0; t < S2 * CIN2; ++t) {  // t = q*CIN + ci: contiguous in a row of xk
+              const vec* wv = wt.data() + (r * S2 * CIN2 + t) * OV;
+              for (int jj = 0; jj < JB; ++jj)
+                for (int p = 0; p < 4; ++p) {  // conv output (2i + p/2, 2j + p%2)
+                  const T xv = x0[(p / 2 + r) * s.XS + (2 * jj + p % 2) * CIN2 + t];
+                  for (int v = 0; v < OV; ++v) acc[jj][p][v] += xv * wv[v];
+                }
+            }
+          for (int jj = 0; jj < JB && jb * JB + jj < s.Wp; ++jj) {
+            const int64_t j = jb * JB + jj;
+            for (int v = 0; v < OV; ++v) {
+              vec m;
+              const auto a = pool_relu<T>(acc[jj][0][v], acc[jj][1][v], acc[jj][2][v], acc[jj][3][v], m);
+              for (int l = 0; l < L && v * L + l < s.O; ++l) {
+                yk[(v * L + l) * plane + i * s.Wp + j] = m[l];
+                ak[(v * L + l) * plane + i * s.Wp + j] = static_cast<uint8_t>(a[l]);
+              }
+            }
+          }
+        }
+    }
+  }
+}
+
+template <typename T>
+void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* gh, T* gw, T* gb, const Inner& s) {
+  typedef typename V<T>::type vec;
+  constexpr int L = V<T>::L, RV = row_vectors<T>(), RW = RV * L, taps = CIN2 * R2 * S2;
+  const int64_t plane = s.Hp * s.Wp;
+  std::vector<T> xk(s.H * s.XS), dxk(s.H * s.XS), db(s.O);
+  std::vector<vec> wrow(s.O * R2 * RV), dw(s.O * R2 * RV);  // [o][r][v]: lanes = (q, ci), 0-padded
+  std::vector<uint8_t> routed(plane * 5 * s.O), routed_n(plane * 5);  // [window][position][...], counts
+  for (int64_t k = 0; k < s.K; ++k) {
+    T* wl = reinterpret_cast<T*>(wrow.data());
+    for (int64_t o = 0; o < s.O; ++o)
+      for (int r = 0; r < R2; ++r)
+        for (int l = 0; l < RW; ++l)
+          wl[(o * R2 + r) * RW + l] =
+              l < S2 * CIN2 ? w[(k * s.O + o) * taps + ((l % CIN2) * R2 + r) * S2 + l / CIN2] : T(0);
+    for (auto& v : dw) v = vec{};
+    for (auto& v : db) v = T(0);
+    for (int64_t b = 0; b < s.B; ++b) {
+      gather_client(h, s, b, k, xk.data());
+      std::memset(dxk.data(), 0, sizeof(T) * s.H * s.XS);
+      const T* gk = gy + (k * s.B + b) * s.O * plane;
+      const uint8_t* ak = arg + (k * s.B + b) * s.O * plane;
+      // Per window and position (4 = no gradient), the output channels routed there: appended without
+      // branches (a per-output branch on the saved position mispredicts ~1 time in 3; measured).
+      for (int64_t at = 0; at < plane; ++at) {
+        uint8_t* n = routed_n.data() + at * 5;
+        std::memset(n, 0, 5);
+        for (int64_t o = 0; o < s.O; ++o) {
+          const uint8_t a = ak[o * plane + at];
+          routed[(at * 5 + a) * s.O + n[a]++] = static_cast<uint8_t>(o);
+        }
+      }
+      for (int64_t x0 = 0; x0 < 2 * s.Wp; ++x0)
+        for (int64_t y0 = 0; y0 < 2 * s.Hp; ++y0) {  // conv output (y0, x0): window (y0/2, x0/2), position p
+          const int64_t at = (y0 / 2) * s.Wp + x0 / 2, p = (y0 % 2) * 2 + x0 % 2;
+          const int n = routed_n[at * 5 + p];
+          if (n == 0) continue;
+          const uint8_t* os = routed.data() + (at * 5 + p) * s.O;
+          vec acc[R2][RV] = {};
+          const T* xb = xk.data() + y0 * s.XS + x0 * CIN2;
+          for (int t = 0; t < n; ++t) {
+            const int64_t o = os[t];
+            const T g = gk[o * plane + at];
+            db[o] += g;
+            const vec* wr = wrow.data() + o * R2 * RV;
+            vec* dwr = dw.data() + o * R2 * RV;
+            for (int r = 0; r < R2; ++r)
+              for (int v = 0; v < RV; ++v) {
+                acc[r][v] += g * wr[r * RV + v];                          // lanes past S*CIN: + g*0
+                dwr[r * RV + v] += g * loadu(xb + r * s.XS + v * L);     // lanes past S*CIN: discarded
+              }
+          }
+          T* db0 = dxk.data() + y0 * s.XS + x0 * CIN2;
+          for (int r = 0; r < R2; ++r)
+            for (int v = 0; v < RV; ++v) {
+              const vec d = loadu(db0 + r * s.XS + v * L) + acc[r][v];
+              std::memcpy(db0 + r * s.XS + v * L, &d, sizeof(d));
+            }
+        }
+      for (int64_t yy = 0; yy < s.H; ++yy)
+        for (int64_t x = 0; x < s.W; ++x) {
+          T* dst = gh + ((b * s.H + yy) * s.W + x) * s.C + k * CIN2;
+          for (int ci = 0; ci < CIN2; ++ci) dst[ci] = dxk[yy * s.XS + x * CIN2 + ci];
+        }
+    }
+    const T* dl = reinterpret_cast<const T*>(dw.data());
+    for (int64_t o = 0; o < s.O; ++o) {
+      for (int r = 0; r < R2; ++r)
+        for (int l = 0; l < S2 * CIN2; ++l)
+          gw[(k * s.O + o) * taps + ((l % CIN2) * R2 + r) * S2 + l / CIN2] = dl[(o * R2 + r) * RW + l];
+      gb[k * s.O + o] = db[o];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -240,7 +428,29 @@ int dropfl_conv_pool_abi() { return 1; }
     with_block(O, [&](auto ob) { backward<T, decltype(ob)::value>(x_all, rows, gy, arg, gw, gb, s); });    \
   }
 
+// The second layer's entry points take the LeNets' shape only (CIN = 6, 5x5 kernels, O <= 2 vectors):
+// they return -1 and do nothing for any other, and the caller uses the torch ops.
+#define DROPFL_INNER(T, suffix)                                                                              \
+  int dropfl_conv2_pool_fwd_##suffix(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, int64_t B,   \
+                                     int64_t H, int64_t W, int64_t K, int64_t Cin, int64_t O, int64_t R,     \
+                                     int64_t S) {                                                          \
+    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * V<T>::L) return -1;                                   \
+    const Inner s = make_inner<T>(B, H, W, K, O);                                                          \
+    if (O <= V<T>::L) inner_forward<T, 1>(h, w, bias, y, arg, s);                                          \
+    else inner_forward<T, 2>(h, w, bias, y, arg, s);                                                       \
+    return 0;                                                                                              \
+  }                                                                                                        \
+  int dropfl_conv2_pool_bwd_##suffix(const T* h, const T* w, const T* gy, const uint8_t* arg, T* gh, T* gw,  \
+                                     T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin,       \
+                                     int64_t O, int64_t R, int64_t S) {                                    \
+    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * V<T>::L) return -1;                                   \
+    inner_backward<T>(h, w, gy, arg, gh, gw, gb, make_inner<T>(B, H, W, K, O));                            \
+    return 0;                                                                                              \
+  }
+
 DROPFL_ENTRY(float, f32)
 DROPFL_ENTRY(double, f64)
+DROPFL_INNER(float, f32)
+DROPFL_INNER(double, f64)
 
 }  // extern "C"
