@@ -6,8 +6,8 @@ shorten it; per-round costs then weigh more). Measured, interleaved over `--repe
 
   loop    dropfl's reference engine: one client after another (SimTransport engine="loop")
   dropfl  dropfl's batched engine (SimTransport engine="batched": 2 worker processes)
-  dropfl_torch_ops  the same engine with the LeNet's first layer in torch ops instead of the fused
-          native kernel (coordinator/kernels): what the kernel is worth, side by side
+  dropfl_torch_ops  the same engine with the LeNet's first two layers in torch ops instead of the
+          fused native kernels (coordinator/kernels): what the kernels are worth, side by side
   flower  Flower's simulation engine (Ray, 2 actors × 1 CPU), from benchmarks/.venv-flower
           (created by benchmarks/setup_flower.sh; flwr is never a dropfl dependency)
   bound   FLOP bound: FLOPs of one training step counted with torch's FlopCounterMode,
@@ -117,7 +117,7 @@ def main() -> None:
     loop = SimTransport(model, data, "loop")
     batched = SimTransport(model, data, "batched")
     torch_ops = SimTransport(model, data, "loop")
-    torch_ops.batched = BatchedEngine(model, data, native=False)  # the batched engine without its kernel
+    torch_ops.batched = BatchedEngine(model, data, native=False)  # the batched engine without its kernels
     round_rate(batched, w, 2)  # start the worker processes
     round_rate(torch_ops, w, 2)
     tmp = tempfile.TemporaryDirectory(prefix="dropfl-flower-")
@@ -196,12 +196,12 @@ def markdown(r: dict) -> str:
         "| engine | what | client-steps/s | × loop | of FLOP bound |\n|---|---|---:|---:|---:|\n"
         + row("loop", "dropfl reference: per-client loop")
         + row("dropfl", f"dropfl batched engine, {s['dropfl_workers']} workers")
-        + (row("dropfl_torch_ops", "the same, first layer in torch ops (no native kernel)")
+        + (row("dropfl_torch_ops", "the same, conv layers in torch ops (no native kernels)")
            if r.get("dropfl_torch_ops") else "")
         + row("flower", "Flower simulation (Ray, 2 actors × 1 CPU)")
         + row("bound", f"{s['peak_flops'] / 1e9:.0f} GFLOP/s ÷ {s['flops_per_step'] / 1e6:.1f} MFLOP/step")
         + f"\ndropfl / Flower: **{flower_ratio}**; dropfl / FLOP bound: **{r['ratio_vs_bound']:.1%}**; "
-        f"fused first-layer kernel: **{r['native_kernel_speedup']:.2f}×** the same engine in torch ops.\n"
+        f"native kernels: **{r['native_kernel_speedup']:.2f}×** the same engine in torch ops.\n"
     )
 
 

@@ -56,9 +56,9 @@ class TrainConfig:
     epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)")
     steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)")
     engine: str = opt("loop", "simulation engine: loop = reference per-client loop, batched = a round's clients "
-                              "as one computation on 2 worker processes, same weights; the LeNets' first layer runs "
-                              "as a native kernel built with g++ on first use, DROPFL_NATIVE=0 turns it off "
-                              "(docs/engine.md)",
+                              "as one computation on 2 worker processes, same weights; the LeNets' first two layers "
+                              "run as native kernels built with g++ on first use, DROPFL_NATIVE=0 turns them "
+                              "off (docs/engine.md)",
                       ["loop", "batched"])
 
 
