@@ -481,8 +481,13 @@ def log(device: str, text: str) -> None:
 def run_agent(cfg: AgentConfig) -> int:
     torch.set_num_threads(cfg.agent.threads)
     agent = Agent(cfg)
+    # The handler only hands the signal over: it runs in the main thread between any two bytecodes,
+    # possibly while that thread holds a lock that agent.stop() takes (an Event's, the inbox's), so
+    # stop() runs in a thread of its own. SimpleQueue.put is reentrant, safe in a signal handler.
+    signals: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=lambda: (signals.get(), agent.stop()), name="signals", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stop())
+        signal.signal(sig, lambda *_: signals.put(True))
     log(agent.id, f"client {cfg.agent.client}: {len(agent.y)} training samples, broker {cfg.agent.broker}")
     agent.run()
     return 0
