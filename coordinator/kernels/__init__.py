@@ -96,7 +96,7 @@ def load() -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
             warnings.warn(f"dropfl: native kernels unavailable ({_error}); the batched engine uses torch ops "
-                          "for the LeNets' first layer (same results, slower)", stacklevel=2)
+                          "for the LeNets' first two layers (same results, slower)", stacklevel=2)
         return _lib
 
 

@@ -412,8 +412,6 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
 
 extern "C" {
 
-int dropfl_conv_pool_abi() { return 1; }
-
 #define DROPFL_ENTRY(T, suffix)                                                                              \
   void dropfl_conv_pool_fwd_##suffix(const T* x_all, const int64_t* rows, const T* w, const T* bias, T* y,  \
                                      uint8_t* arg, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin, \
