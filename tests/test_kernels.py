@@ -172,10 +172,13 @@ def test_engine_with_and_without_kernel(name: str) -> None:
         assert a.delta.abs().max() > 1e-4
 
 
-def test_mixed_dtypes_are_refused() -> None:
+def test_mixed_dtypes_and_bad_indices_are_refused() -> None:
     with pytest.raises(TypeError, match="one dtype"):
         kernels.conv_pool_relu(torch.rand(2, 1, 28, 28), torch.tensor([[0, 1]]), torch.rand(6, 1, 5, 5).double(),
                                torch.rand(6).double())
+    for rows in (torch.tensor([[0, 2]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]], dtype=torch.int32)):
+        with pytest.raises(IndexError, match="int64 indices"):
+            kernels.conv_pool_relu(torch.rand(2, 1, 28, 28), rows, torch.rand(6, 1, 5, 5), torch.rand(6))
 
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:

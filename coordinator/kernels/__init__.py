@@ -15,6 +15,7 @@ a second, and the kernel only ever sees raw pointers to contiguous tensors.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -38,11 +39,9 @@ _error: str | None = None
 def _cpu_id() -> str:
     """What -march=native depends on: the architecture and (on Linux) the CPU's model and flags."""
     ident = platform.machine()
-    try:
+    with contextlib.suppress(OSError):  # no /proc/cpuinfo (not Linux): the architecture alone
         with open("/proc/cpuinfo") as f:
             ident += "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        pass
     return ident
 
 
@@ -109,6 +108,11 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _check_dtypes(name: str, *ts: torch.Tensor) -> None:
+    if len({t.dtype for t in ts}) != 1 or ts[0].dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name}: dtypes {[str(t.dtype) for t in ts]}: need one dtype, float32 or float64")
+
+
 class ConvPoolRelu(torch.autograd.Function):
     """relu(max_pool2d(conv2d(x_k, w_k, b_k), 2)) for K clients, fused (coordinator/kernels/conv_pool.cpp).
 
@@ -124,6 +128,9 @@ class ConvPoolRelu(torch.autograd.Function):
         _check_dtypes("conv_pool_relu", x_all, w, bias)
         k, b = rows.shape
         _, cin, h, wd = x_all.shape
+        # the kernel reads x_all[rows[k, b]] unchecked: indices must be int64 and in range
+        if rows.dtype != torch.int64 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= len(x_all))):
+            raise IndexError(f"conv_pool_relu: rows must be int64 indices into the {len(x_all)} images")
         o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
         hp, wp = (h - r + 1) // 2, (wd - s + 1) // 2
         x_all, rows, w, bias = x_all.contiguous(), rows.contiguous(), w.contiguous(), bias.contiguous()
@@ -151,11 +158,6 @@ class ConvPoolRelu(torch.autograd.Function):
 
 def conv_pool_relu(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return ConvPoolRelu.apply(x_all, rows, w, bias)
-
-
-def _check_dtypes(name: str, *ts: torch.Tensor) -> None:
-    if len({t.dtype for t in ts}) != 1 or ts[0].dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{name}: dtypes {[str(t.dtype) for t in ts]}: need one dtype, float32 or float64")
 
 
 def inner_fits(in_channels: int, out_channels: int, kernel: tuple[int, int], dtype: torch.dtype) -> bool:
