@@ -199,7 +199,7 @@ class Group:
         self.model, self.forward, self.threads = model, batched_forward(model), threads
         self.device = torch.device(device)
         self.x_all, self.y_all = x_all.to(self.device).contiguous(), y_all.to(self.device)
-        # the fused first layer (coordinator/kernels) where it can run: CPU, float32/64 images
+        # the fused layers (coordinator/kernels) where they can run: CPU, float32/64 images
         self.native = (native and self.device.type == "cpu" and self.x_all.dim() == 4
                        and self.x_all.dtype in (torch.float32, torch.float64) and kernels.available())
         self.offsets, self.sizes = offsets, sizes
@@ -359,7 +359,7 @@ class BatchedEngine:
 
     Data is concatenated once ([Σ n_i, ...]) and handed to the workers once (shared memory); a round
     only ships the global weights and the tasks. On CUDA, everything runs in this process.
-    `native=False` runs the LeNets' first layer with torch ops instead of the fused kernel
+    `native=False` runs the LeNets' first two layers with torch ops instead of the fused kernels
     (coordinator/kernels; for A/B measurements and tests: the results agree to rounding).
     """
 
