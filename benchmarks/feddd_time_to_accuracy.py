@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import feddd_virtual_clock as vc  # noqa: E402  (benchmarks/ is not a package)
 
-from coordinator.clock import table4_profile  # noqa: E402
-from coordinator.cmd_trial import run_trial  # noqa: E402
 from coordinator.config import SimConfig  # noqa: E402
 from coordinator.rundir import read_metrics  # noqa: E402
-from coordinator.sim import run_sim  # noqa: E402
+from coordinator.sim.clock import table4_profile  # noqa: E402
+from coordinator.sim.run import run_sim  # noqa: E402
+from coordinator.trial.run import run_trial  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("fedavg", "feddd")

@@ -3,7 +3,7 @@
 The virtual-clock half of issue 6's time-to-accuracy benchmark (the emulated-link trial is separate).
 Settings (FedDD Table 4 and §8.5 of ../shared/papers/feddd.md): MNIST IID, 100 clients, 1 local epoch,
 D_max = 0.8, A_server = 0.6 (FedCS: the same 60 % upload budget), h = 5, per-client rates drawn once
-from Table 4 (`coordinator.clock.table4_profile`). Not in the paper, declared here: dropfl's MLP
+from Table 4 (`coordinator.sim.clock.table4_profile`). Not in the paper, declared here: dropfl's MLP
 784-200-200-10 (the paper's is 784-100-64-10), SGD lr 0.1, batch 32, δ = 0, seed 0.
 
 Each method runs the same `dropfl sim` code path; the script reads the run directories' metrics and
@@ -20,10 +20,10 @@ import json
 import time
 from pathlib import Path
 
-from coordinator.clock import table4_profile
 from coordinator.config import SimConfig
 from coordinator.rundir import read_metrics
-from coordinator.sim import run_sim
+from coordinator.sim.clock import table4_profile
+from coordinator.sim.run import run_sim
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("fedavg", "fedcs", "feddd")

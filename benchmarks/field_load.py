@@ -67,8 +67,8 @@ def round_events(run: Path) -> list[dict]:
 
 
 def load_test(agents: int, per_proc: int, rounds: int, tmp: Path) -> dict:
-    from coordinator.broker import Mosquitto
-    from coordinator.participation import read_rows
+    from coordinator.availability.participation import read_rows
+    from coordinator.trial.broker import Mosquitto
 
     run = tmp / "load"
     procs = []
@@ -133,7 +133,7 @@ def normal_trial(agents: int, rounds: int, tmp: Path) -> dict:
                     "--availability", "replay", "--trace", str(run / "participation.csv"), "--out", str(sim),
                     "--no-progress", *SETTINGS], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     a, b = torch.load(run / "model.pt"), torch.load(sim / "model.pt")
-    from coordinator.participation import read_rows
+    from coordinator.availability.participation import read_rows
     reasons: dict[str, int] = {}
     for r in read_rows(run / "participation.csv"):
         if r["status"] in ("unavailable", "dropped"):

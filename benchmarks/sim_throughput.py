@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.engine_batched import BatchedEngine  # noqa: E402
-from coordinator.sim import SimTransport  # noqa: E402
+from coordinator.sim.batched import BatchedEngine  # noqa: E402
+from coordinator.sim.transport import SimTransport  # noqa: E402
 from edge_client.datasets import load_fmnist  # noqa: E402
 from edge_client.models import build_model, get_flat  # noqa: E402
 from edge_client.trainer import TrainTask  # noqa: E402

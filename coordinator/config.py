@@ -118,7 +118,7 @@ class StrategyConfig:
 @dataclass
 class ClockConfig:
     profile: str | None = opt(None, "virtual clock: per-client compute s/step and up/down bytes/s, JSON or CSV "
-                                    "(coordinator/clock.py, docs/feddd.md); adds virtual round time (eq. 12) "
+                                    "(coordinator/sim/clock.py, docs/feddd.md); adds virtual round time (eq. 12) "
                                     "to the metrics", flag="--clock-profile")
 
 

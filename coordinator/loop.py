@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from coordinator.availability import RoundAvailability
+from coordinator.availability.models import RoundAvailability
 from coordinator.rundir import RunDir
 from coordinator.strategies.base import ClientUpdate, Strategy
 from edge_client.trainer import TrainTask

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from coordinator.participation import ParticipationLog
+from coordinator.availability.participation import ParticipationLog
 
 
 class MetricsWriter:

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from paho.mqtt import client as mqtt
 
-from edge_client import datasets, feddd, partition, wire
+from edge_client import datasets, feddd, federation, partition, wire
 from edge_client.battery import BatteryConfig, BatteryError, make_battery
 from edge_client.configfile import fill_sections, read_config_file
 from edge_client.models import build_model
@@ -143,30 +143,23 @@ def broker_address(url: str) -> tuple[str, int]:
     return u.hostname, u.port or (8883 if u.scheme == "mqtts" else 1883)
 
 
-def partition_kwargs(d: AgentData) -> dict:
-    """The partitioner's options, as the simulation passes them (coordinator.sim.partition_kwargs)."""
-    if d.partition == "shards":
-        return {"shards_per_client": d.shards_per_client}
-    if d.partition == "dirichlet":
-        return {"alpha": d.dirichlet_alpha}
-    return {}
+def binding_of(cfg: AgentConfig, ds: datasets.Dataset | None = None) -> federation.DataBinding:
+    """This agent's data binding (edge_client/federation.py): its [data] and [model] sections."""
+    sections = {"data": cfg.data, "model": cfg.model, "run": cfg.data}  # the agent keeps the seed under [data]
+    return federation.from_sections(sections, federation.label_digest(ds) if ds is not None else "")
 
 
 @functools.lru_cache(maxsize=2)
-def _federation(dataset: str, data_dir: str | None, part: str, clients: int, seed: int, kw: tuple):
+def _federation(binding: federation.DataBinding, data_dir: str | None):
     """Dataset, train partition and test partition (cached: several agents may share a process)."""
-    ds = datasets.load(dataset, data_dir)
-    parts = partition.partition(part, ds.train.y.numpy(), clients, seed, **dict(kw))
-    test_parts = partition.iid(ds.test.y.numpy(), clients, seed)
-    return ds, parts, test_parts
+    ds = datasets.load(binding.dataset, data_dir)
+    return ds, federation.client_shards(ds, binding), federation.test_shards(ds, binding)
 
 
 def load_shard(cfg: AgentConfig) -> tuple[datasets.Dataset, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
     """(dataset, x, y of this client's training shard, x, y of its test split as numpy)."""
-    d = cfg.data
     try:
-        ds, parts, test_parts = _federation(d.dataset, d.data_dir, d.partition, d.clients, d.seed,
-                                            tuple(sorted(partition_kwargs(d).items())))
+        ds, parts, test_parts = _federation(binding_of(cfg), cfg.data.data_dir)
     except (datasets.DatasetError, partition.PartitionError) as e:
         raise AgentError(str(e)) from None
     idx, tidx = torch.as_tensor(parts[cfg.agent.client]), torch.as_tensor(test_parts[cfg.agent.client])
@@ -186,6 +179,7 @@ class Agent:
         except BatteryError as e:
             raise AgentError(str(e)) from None
         ds, self.x, self.y, self.test_x, self.test_y = load_shard(cfg)
+        self.binding = binding_of(cfg, ds)
         try:
             self.model = build_model(cfg.model.model, tuple(ds.train.x.shape[1:]), ds.num_classes, cfg.data.seed,
                                      cfg.model.dropout)
@@ -235,9 +229,7 @@ class Agent:
     def _status_frame(self, state: str) -> bytes:
         meta: dict = {"state": state, "device": self.id}
         if state == "online":
-            d = self.cfg.data
-            meta |= device_facts() | {"dataset": d.dataset, "partition": d.partition, "clients": d.clients,
-                                      "seed": d.seed, "model": self.cfg.model.model, "num_samples": len(self.y)}
+            meta |= device_facts() | self.binding.to_meta() | {"num_samples": len(self.y)}
         return wire.encode("status", "", -1, self.client_idx, meta=meta)[0]
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:

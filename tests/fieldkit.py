@@ -112,8 +112,8 @@ _cached_load = functools.lru_cache(maxsize=1)(_load)
 
 def sim_model(out: Path, rounds: int, algo: str, trace: Path | None) -> dict[str, torch.Tensor]:
     """The same run in simulation (threads 1), replaying `trace` if given, else all clients always on."""
-    from coordinator import config, sim
-    from coordinator.sim import run_sim
+    from coordinator import config
+    from coordinator.sim.run import run_sim
     from coordinator.strategies import STRATEGIES
 
 
@@ -126,11 +126,11 @@ def sim_model(out: Path, rounds: int, algo: str, trace: Path | None) -> dict[str
     p = argparse.ArgumentParser()
     config.add_arguments(p, list(STRATEGIES))
     cfg = config.resolve(p.parse_args(argv), list(STRATEGIES))
-    sim.datasets.load = _cached_load  # read FMNIST once, not per replay (run_sim never modifies it)
+    datasets.load = _cached_load  # read FMNIST once, not per replay (run_sim never modifies it)
     try:
         run_sim(cfg, str(out), progress=False)
     finally:
-        sim.datasets.load = _load
+        datasets.load = _load
     return torch.load(out / "model.pt")
 
 
@@ -140,7 +140,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def participants(path: Path) -> dict[int, set[int]]:
-    from coordinator.participation import read_rows
+    from coordinator.availability.participation import read_rows
     out: dict[int, set[int]] = {}
     for r in read_rows(path):
         out.setdefault(int(r["round"]), set())

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from coordinator import availability as av
+from coordinator.availability import models as av
 from coordinator.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""The batched engine (coordinator/engine_batched.py) gives the reference loop's weights (local_train).
+"""The batched engine (coordinator/sim/batched.py) gives the reference loop's weights (local_train).
 
 One round mixes everything that makes clients of a round differ: data sizes that leave a smaller
 last batch, epochs vs fixed steps (so clients finish at different steps and must be frozen), an
@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.engine_batched import BatchedEngine
-from coordinator.sim import SimTransport
+from coordinator.sim.batched import BatchedEngine
+from coordinator.sim.transport import SimTransport
 from edge_client.models import MODELS, build_model, get_flat
 from edge_client.trainer import TrainTask, local_train
 

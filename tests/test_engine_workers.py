@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = r'''
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from coordinator.engine_batched import BatchedEngine
+from coordinator.sim.batched import BatchedEngine
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask
 m = build_model("mimic-cnn", (1, 28, 28))

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.availability import AlwaysOn
-from coordinator.clock import Profile, load_profile, table4_profile
+from coordinator.availability.models import AlwaysOn
 from coordinator.errors import UserError
 from coordinator.loop import LoopConfig, run_rounds
 from coordinator.rundir import RunDir, read_metrics
-from coordinator.sim import SimTransport
+from coordinator.sim.clock import Profile, load_profile, table4_profile
+from coordinator.sim.transport import SimTransport
 from coordinator.strategies import STRATEGIES, ClientUpdate
 from coordinator.strategies.fedcs import FedCS
 from coordinator.strategies.feddd import FedDD, masked_mean_delta

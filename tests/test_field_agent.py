@@ -117,7 +117,7 @@ def deliver(a, topic, frames):
 
 
 def test_agent_trains_exactly_like_the_simulation_and_resends_its_cached_update(tmp_path, monkeypatch):
-    from coordinator.transport_mqtt import export_onnx
+    from coordinator.field.transport import export_onnx
     from edge_client.models import build_model, get_flat
     from edge_client.trainer import TrainTask, evaluate, local_train
 

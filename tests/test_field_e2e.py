@@ -16,10 +16,10 @@ import torch
 from fieldkit import CLI, ROOT, SETTINGS, max_diff, participants, sim_model
 
 from coordinator import config
-from coordinator.availability import REASONS
-from coordinator.cmd_trial import run_trial
-from coordinator.participation import STATUSES, read_rows
+from coordinator.availability.models import REASONS
+from coordinator.availability.participation import STATUSES, read_rows
 from coordinator.strategies import STRATEGIES
+from coordinator.trial.run import run_trial
 from edge_client.models import build_model
 
 ALGO = "mimic" if "mimic" in STRATEGIES else "fedavg"

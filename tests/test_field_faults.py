@@ -24,10 +24,10 @@ from fieldkit import (
     start_coordinator,
 )
 
-from coordinator.broker import Mosquitto
-from coordinator.participation import read_rows
+from coordinator.availability.participation import read_rows
 from coordinator.rundir import read_metrics
 from coordinator.strategies import STRATEGIES
+from coordinator.trial.broker import Mosquitto
 
 ALGO = "mimic" if "mimic" in STRATEGIES else "fedavg"
 ALL = set(range(5))

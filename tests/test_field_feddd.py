@@ -14,12 +14,13 @@ import torch
 from fieldkit import CLI, ROOT, kill_group, start_agent
 from paho.mqtt import client as mqtt
 
-from coordinator.broker import Mosquitto
-from coordinator.participation import read_rows
+from coordinator.availability.participation import read_rows
+from coordinator.field.sparse import update_tensors
+from coordinator.field.transport import FieldConfig, FieldHub, RoundState
 from coordinator.rundir import read_metrics
-from coordinator.sparse_updates import update_tensors
-from coordinator.transport_mqtt import FieldConfig, FieldHub, RoundState
+from coordinator.trial.broker import Mosquitto
 from edge_client import feddd, wire
+from edge_client.federation import DataBinding
 from edge_client.models import build_model
 from edge_client.trainer import TrainTask
 
@@ -133,12 +134,14 @@ def test_feddd_strategy_consumed_measured_rates_and_sparse_updates(trials):
 
 # --- the coordinator's checks, without a broker (messages fed to FieldHub as paho delivers them) ---
 
-BINDING = {"dataset": "fmnist", "partition": "iid", "clients": 4, "seed": 0, "model": "logreg"}
+BINDING = DataBinding(dataset="fmnist", partition="iid", clients=4, shards_per_client=2, dirichlet_alpha=0.5,
+                      seed=0, model="logreg", dropout=None).to_meta()
 
 
 def sparse_hub(tmp_path) -> tuple[FieldHub, feddd.Layout]:
     layout = feddd.unit_layout(build_model("logreg", (1, 28, 28), 10, 0))
-    hub = FieldHub(FieldConfig(run_id="run-x", heartbeat_timeout_s=60), 4, BINDING, layout.numel, tmp_path)
+    hub = FieldHub(FieldConfig(run_id="run-x", heartbeat_timeout_s=60), 4, DataBinding(**BINDING), layout.numel,
+                   tmp_path)
     hub.layout = layout  # what MqttTransport sets
     for c in range(4):
         hub._dispatch(f"d{c}", "status", wire.encode("status", "", -1, c, meta={"state": "online"} | BINDING)[0],

@@ -4,15 +4,17 @@ and heartbeats become drop and availability reasons."""
 
 import torch
 
-from coordinator.transport_mqtt import FieldAvailability, FieldConfig, FieldHub, RoundState
+from coordinator.field.transport import FieldAvailability, FieldConfig, FieldHub, RoundState
 from edge_client import wire
+from edge_client.federation import DataBinding
 from edge_client.trainer import TrainTask
 
-BINDING = {"dataset": "fmnist", "partition": "iid", "clients": 6, "seed": 0, "model": "logreg"}
+BINDING = DataBinding(dataset="fmnist", partition="iid", clients=6, shards_per_client=2, dirichlet_alpha=0.5,
+                      seed=0, model="logreg", dropout=None).to_meta()
 
 
 def make_hub(tmp_path) -> FieldHub:
-    hub = FieldHub(FieldConfig(run_id="run-x", heartbeat_timeout_s=60), 6, BINDING, 4, tmp_path)
+    hub = FieldHub(FieldConfig(run_id="run-x", heartbeat_timeout_s=60), 6, DataBinding(**BINDING), 4, tmp_path)
     for c in range(5):
         meta = {"state": "online"} | BINDING | ({"seed": 9} if c == 4 else {})
         hub._dispatch(f"d{c}", "status", wire.encode("status", "", -1, c, meta=meta)[0], False)

@@ -32,10 +32,10 @@ from fieldkit import (
     start_coordinator,
 )
 
+from coordinator.availability.participation import read_rows
 from coordinator.cli import main as dropfl
-from coordinator.participation import read_rows
 from coordinator.rundir import read_metrics
-from coordinator.trial_tls import ProvisionedBroker, device_agent_keys
+from coordinator.trial.tls import ProvisionedBroker, device_agent_keys
 from edge_client import wire
 from edge_client.agent import Agent, config_from_dict
 from edge_client.trainer import TrainTask

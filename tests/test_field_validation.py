@@ -1,4 +1,4 @@
-"""The coordinator's checks beyond the wire format (coordinator/field_checks.py), fed to FieldHub as paho
+"""The coordinator's checks beyond the wire format (coordinator/field/checks.py), fed to FieldHub as paho
 would deliver them: each reject is counted by its code, logged, and never reaches aggregation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from test_field_hub import BINDING, make_hub, upload
 
-from coordinator.transport_mqtt import FieldHub, RoundState
+from coordinator.field.transport import FieldHub, RoundState
 from edge_client import wire
 from edge_client.trainer import TrainTask
 

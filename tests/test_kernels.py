@@ -1,4 +1,4 @@
-"""The fused layer kernels (coordinator/kernels/conv_pool.cpp) against the torch ops they replace.
+"""The fused layer kernels (coordinator/sim/kernels/conv_pool.cpp) against the torch ops they replace.
 
 relu(max_pool2d(conv2d(x, w, b, groups=K), 2)) for K clients, as the LeNets' first layer (on the
 images, by index) and second layer (on activations, output in row layout): values and gradients in
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coordinator import kernels
-from coordinator.engine_batched import BatchedEngine
+from coordinator.sim import kernels
+from coordinator.sim.batched import BatchedEngine
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask
 
@@ -183,7 +183,7 @@ def test_mixed_dtypes_and_bad_indices_are_refused() -> None:
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
     code = ("import warnings; warnings.simplefilter('always')\n"
-            "from coordinator import kernels\nprint(kernels.available())")
+            "from coordinator.sim import kernels\nprint(kernels.available())")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
 

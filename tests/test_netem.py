@@ -1,4 +1,4 @@
-"""Link emulation (coordinator/netem.py): link files, and — as root with `ip netns` — that a tbf rate
+"""Link emulation (coordinator/field/netem.py): link files, and — as root with `ip netns` — that a tbf rate
 limit really limits a transfer through the veth, and that a trace's outage produces an `offline` or
 `deadline` dropout in a field run. The root tests create and delete their own namespaces."""
 
@@ -14,10 +14,10 @@ import time
 import pytest
 from fieldkit import CLI, ROOT, Watcher, kill_group
 
-from coordinator import netem
-from coordinator.broker import Mosquitto
+from coordinator.availability.participation import read_rows
 from coordinator.errors import UserError
-from coordinator.participation import read_rows
+from coordinator.field import netem
+from coordinator.trial.broker import Mosquitto
 
 
 def _netns_usable() -> str | None:

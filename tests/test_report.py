@@ -8,7 +8,7 @@ import pytest
 
 from coordinator import cli
 from coordinator.errors import UserError
-from coordinator.report import comparison_table, load_runs, raster_codes, summary
+from coordinator.report.compare import comparison_table, load_runs, raster_codes, summary
 
 
 def make_run(path, algo, accs, participants, statuses):

@@ -6,7 +6,7 @@ import pytest
 from strategy_helpers import cache_dataset_loads
 
 from coordinator import cli
-from coordinator.cmd_reproduce import METHODS, PAPER_TABLE3, markdown
+from coordinator.report.reproduce import METHODS, PAPER_TABLE3, markdown
 
 TINY = ["--trials", "1", "--taus", "3", "--rounds", "2", "--clients", "6", "--steps", "2", "--model", "logreg",
         "--no-progress", "--threads", "1", "--engine", "loop"]
@@ -103,7 +103,7 @@ def test_markdown_checks_order_and_distance_to_paper():
 
 
 def test_a_run_directory_with_another_setup_is_not_reused(tmp_path):
-    from coordinator.cmd_reproduce import Setup, same_setup, sim_config
+    from coordinator.report.reproduce import Setup, same_setup, sim_config
 
     cfg = sim_config(Setup(rounds=2), "MimiC", 20, 0, tmp_path)
     assert same_setup(tmp_path, cfg)  # nothing there yet

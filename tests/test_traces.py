@@ -2,8 +2,8 @@ import pickle
 
 import pytest
 
+from coordinator.availability.traces import DeviceTraceAvailability, import_fedscale, read_device_trace
 from coordinator.errors import UserError
-from coordinator.traces import DeviceTraceAvailability, import_fedscale, read_device_trace
 
 TRACE = """device,t_s,online,battery_pct,charging,uplink_Bps,downlink_Bps
 0,0,1,90,0,100000,

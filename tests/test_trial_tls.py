@@ -19,7 +19,7 @@ import torch
 from fieldkit import CLI, ROOT, SETTINGS, max_diff, participants, sim_model
 
 from coordinator.cli import main as dropfl
-from coordinator.trial_tls import device_agent_keys
+from coordinator.trial.tls import device_agent_keys
 from provisioning import broker as prov
 
 pytestmark = [pytest.mark.mosquitto,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.availability import RoundAvailability
+from coordinator.availability.models import RoundAvailability
 from coordinator.errors import UserError
 
 TRACE_FIELDS = ("device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps")

@@ -14,8 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
-from coordinator.broker import MOSQUITTO, Mosquitto
 from coordinator.errors import UserError
+from coordinator.trial.broker import MOSQUITTO, Mosquitto
 from provisioning import broker as prov
 
 

@@ -27,7 +27,7 @@ def default_out(cfg: config.SimConfig) -> str:
 
 
 def run(args) -> int:
-    from coordinator.sim import run_sim
+    from coordinator.sim.run import run_sim
     from coordinator.strategies import STRATEGIES
 
     cfg = config.resolve(args, list(STRATEGIES))

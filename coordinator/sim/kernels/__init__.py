@@ -120,7 +120,7 @@ def _check_dtypes(name: str, *ts: torch.Tensor) -> None:
 
 
 class ConvPoolRelu(torch.autograd.Function):
-    """relu(max_pool2d(conv2d(x_k, w_k, b_k), 2)) for K clients, fused (coordinator/kernels/conv_pool.cpp).
+    """relu(max_pool2d(conv2d(x_k, w_k, b_k), 2)) for K clients, fused (coordinator/sim/kernels/conv_pool.cpp).
 
     x_all [N, Cin, H, W] (all preloaded images), rows [K, B] (client k's b-th sample is x_all[rows[k, b]]),
     w [K·O, Cin, R, S], bias [K·O] → [B, K·O, Hp, Wp] in channels-last memory, as the grouped

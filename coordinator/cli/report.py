@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coordinator.report import comparison_table, load_runs, write_report
+    from coordinator.report.compare import comparison_table, load_runs, write_report
 
     runs = load_runs(args.runs)
     files = write_report(runs, args.out)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.availability.participation import FIELDS, STATUSES
 from coordinator.errors import UserError
-from coordinator.participation import FIELDS, STATUSES
 
 # raster colours: participated / not selected, then one colour per reason (unavailable: blues and greys,
 # dropped: reds and oranges)

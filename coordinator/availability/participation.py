@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.availability import RoundAvailability
+from coordinator.availability.models import RoundAvailability
 from coordinator.errors import UserError
 
 FIELDS = ("round", "client", "status", "reason")

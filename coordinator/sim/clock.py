@@ -11,7 +11,7 @@ with the bytes that really travel (dense float32 model, or the FedDD sparse payl
 takes max_n t_n over the clients that took part (eq. 12). Each update carries these as a
 `ClientReport`, as if the client had measured them, so FedDD and FedCS see "measured" rates.
 
-`python -m coordinator.clock table4 --clients 100 --out profile.json` draws a profile from the FedDD
+`python -m coordinator.sim.clock table4 --clients 100 --out profile.json` draws a profile from the FedDD
 paper's Table 4 ranges (uniform per client): f ∈ [1, 10] GHz, c ∈ [1, 10] Mcycles/sample (so
 compute_s_per_step = B · c / f), r^u ∈ [1, 5] kbit/s, r^d ∈ [40, 200] kbit/s (stored in bytes/s).
 """
@@ -125,7 +125,7 @@ def client_seconds(r: ClientReport) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m coordinator.clock", description="Write a virtual-clock profile.")
+    p = argparse.ArgumentParser(prog="python -m coordinator.sim.clock", description="Write a virtual-clock profile.")
     p.add_argument("kind", choices=["table4"], help="table4: the FedDD paper's simulation ranges")
     p.add_argument("--clients", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run_import(args) -> int:
-    from coordinator.traces import import_fedscale
+    from coordinator.availability.traces import import_fedscale
 
     n = import_fedscale(args.pickle, args.out, args.horizon, args.max_devices)
     print(f"wrote {n} devices to {args.out}")
@@ -34,7 +34,7 @@ def run_import(args) -> int:
 
 
 def summarise(path: str | Path) -> dict:
-    from coordinator.participation import read_rows
+    from coordinator.availability.participation import read_rows
 
     p = Path(path)
     if p.is_dir():

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from paho.mqtt import client as mqtt
 
-from coordinator import field_checks
-from coordinator.availability import REASONS, RoundAvailability
+from coordinator.availability.models import REASONS, RoundAvailability
 from coordinator.errors import UserError
-from coordinator.sparse_updates import is_sparse, sparse_problem, update_tensors
+from coordinator.field import checks as field_checks
+from coordinator.field.sparse import is_sparse, sparse_problem, update_tensors
 from coordinator.strategies.base import ClientUpdate
-from edge_client import feddd, wire
+from edge_client import feddd, federation, wire
 from edge_client.agent import TOPIC_ROOT, broker_address
 from edge_client.models import set_flat
 from edge_client.report import ClientReport
@@ -91,7 +91,8 @@ class FieldHub:
     """The coordinator's MQTT side: connection, agent registry, round collection. Thread-safe: paho's
     network thread writes under `cond`, the loop's thread reads and waits on it."""
 
-    def __init__(self, cfg: FieldConfig, n_clients: int, binding: dict, num_params: int, rundir_path: Path):
+    def __init__(self, cfg: FieldConfig, n_clients: int, binding: federation.DataBinding, num_params: int,
+                 rundir_path: Path):
         self.cfg, self.n, self.binding, self.num_params = cfg, n_clients, binding, num_params
         self.limits = wire.Limits(chunk_bytes=cfg.chunk_bytes, max_tensor_bytes=cfg.max_tensor_bytes)
         self.reasm = wire.Reassembler(self.limits)
@@ -273,7 +274,7 @@ class FieldHub:
                 r.updates[c], r.received_at[c] = m, now
 
     def _invalid(self, m: wire.Message) -> str | None:
-        if is_sparse(m):  # FedDD's sparse payload (coordinator/sparse_updates.py)
+        if is_sparse(m):  # FedDD's sparse payload (coordinator/field/sparse.py)
             problem = sparse_problem(self.layout, m)
             if problem:
                 return problem
@@ -308,8 +309,9 @@ class FieldHub:
             a = self.agents[device] = self.by_client[c] = AgentInfo(device, c)
         if state == "online":
             a.announce = meta
-            diff = {k: (meta.get(k), v) for k, v in self.binding.items() if meta.get(k) != v}
-            a.mismatch = None if not diff else f"data binding differs (agent, coordinator): {diff}"
+            diff = federation.diff(self.binding, meta)
+            a.mismatch = None if not diff else "data binding differs: " + ", ".join(
+                f"{k} (agent {mine!r}, coordinator {theirs!r})" for k, (mine, theirs) in diff.items())
             if a.mismatch:
                 log(f"device {device} will not be selected: {a.mismatch}")
             r = self.round
@@ -411,7 +413,7 @@ class MqttTransport:
 
     def _publish_model(self, t: int, w: torch.Tensor, onnx_bytes: bytes) -> None:
         run, lim = self.hub.cfg.run_id, self.hub.limits
-        for f in wire.encode("model", run, t, -1, w, {"model": self.hub.binding.get("model")}, lim):
+        for f in wire.encode("model", run, t, -1, w, {"model": self.hub.binding.model}, lim):
             self.hub.mqtt.publish(f"{TOPIC_ROOT}/model/weights", f, qos=1)
         onnx_t = torch.frombuffer(bytearray(onnx_bytes), dtype=torch.uint8)
         for f in wire.encode("onnx", run, t, -1, onnx_t, {}, lim):

@@ -8,9 +8,9 @@ import sys
 
 from coordinator.errors import UserError
 
-SUBCOMMANDS = ["coordinator.cmd_sim", "coordinator.cmd_trace", "coordinator.cmd_provision", "edge_client.agent",
-               "coordinator.cmd_field", "coordinator.cmd_report",
-               "coordinator.cmd_trial", "coordinator.cmd_reproduce", "coordinator.netem"]
+SUBCOMMANDS = ["coordinator.cli.sim", "coordinator.cli.trace", "coordinator.cli.provision", "coordinator.cli.client",
+               "coordinator.cli.coordinator", "coordinator.cli.report", "coordinator.cli.trial",
+               "coordinator.cli.reproduce", "coordinator.cli.links"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,7 +46,7 @@ class Mosquitto:
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\nlog_type information\n"
             "max_queued_messages 100000\n"
-            # also on these addresses (the host ends of the link-emulation veths, coordinator/netem.py)
+            # also on these addresses (the host ends of the link-emulation veths, coordinator/field/netem.py)
             + "".join(f"listener {self.port} {h}\n" for h in hosts))
         self.proc: subprocess.Popen | None = None
         self.start()

@@ -69,7 +69,7 @@ def update_meta(meta: dict, announced_samples: object) -> Reject | None:
 def update(m: wire.Message, num_params: int, announced_samples: object) -> Reject | None:
     """A complete `update` message: its meta, and for a dense update (no meta `encoding`) a float32
     tensor of shape [num_params] with finite values. Sparse (FedDD) payloads are checked by the hub's
-    `_invalid` (coordinator/sparse_updates.py); their meta is checked here too."""
+    `_invalid` (coordinator/field/sparse.py); their meta is checked here too."""
     problem = update_meta(m.meta, announced_samples)
     if problem:
         return problem

@@ -67,57 +67,6 @@ def agent_config(cfg: config.SimConfig, i: int, broker: str, out: Path, profile:
             "policy": {"min_battery_pct": 20.0} | policy, "battery": battery}
 
 
-def add_parser(sub) -> None:
-    from coordinator.strategies import STRATEGIES
-
-    p = sub.add_parser(
-        "trial", help="one-machine field trial: private mosquitto + coordinator + N edge agents",
-        description="Start a private mosquitto on a free 127.0.0.1 port, N edge agents with heterogeneous "
-                    "modelled batteries and the coordinator; run the rounds; stop everything on exit. "
-                    "Data, model, training and strategy options as in `dropfl sim` (--clients is --agents).")
-    config.add_arguments(p, list(STRATEGIES))
-    g = p.add_argument_group("trial")
-    g.add_argument("--agents", type=int, required=True, help="number of edge agents (= clients)")
-    g.add_argument("--profiles", default=",".join(DEFAULT_PROFILES),
-                   help=f"battery profiles assigned round-robin, from {', '.join(PROFILES)} "
-                        f"(default: {','.join(DEFAULT_PROFILES)})")
-    g.add_argument("--deadline", type=float, default=30.0, help="per-round deadline in seconds (default: 30)")
-    g.add_argument("--heartbeat", type=float, default=0.5, help="agents' heartbeat period in seconds (default: 0.5)")
-    g.add_argument("--max-slowdown", type=float, default=0.0,
-                   help="emulated slow devices: agent i spends i/(N-1) times this many extra seconds per SGD step")
-    g.add_argument("--links", metavar="FILE", default=None,
-                   help="emulated links: each agent in its own network namespace with tc tbf rate limits (and "
-                        "outages) from a profile or network trace; root only (docs/links.md)")
-    g.add_argument("--broker-dir", metavar="DIR", default=None,
-                   help="run on a provisioned broker (`dropfl provision init DIR`) instead of a private anonymous "
-                        "one: its mosquitto.conf (TLS, passwords, ACL) on its port, the coordinator's account, and "
-                        "device client-<i>'s bundle for agent i (added if missing); docs/provisioning.md")
-    g.add_argument("--no-progress", action="store_true", help="no progress output")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from coordinator.strategies import STRATEGIES
-
-    if args.agents < 1:
-        raise UserError("--agents must be >= 1")
-    if getattr(args, "data.clients", None) not in (None, args.agents):
-        raise UserError(f"--clients {getattr(args, 'data.clients')}: a trial has one client per agent (--agents)")
-    setattr(args, "data.clients", args.agents)
-    cfg = config.resolve(args, list(STRATEGIES))
-    profiles = [s.strip() for s in args.profiles.split(",") if s.strip()]
-    bad = [s for s in profiles if s not in PROFILES]
-    if bad or not profiles:
-        raise UserError(f"--profiles: unknown profile(s) {bad} (choose from {', '.join(PROFILES)})")
-    out = Path(cfg.run.out or f"runs/trial-{cfg.strategy.algo}-{cfg.data.dataset}-a{args.agents}-s{cfg.run.seed}")
-    cfg.run.out = str(out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = run_trial(cfg, out, profiles, args.deadline, args.heartbeat, args.max_slowdown, not args.no_progress,
-                        links=args.links, broker_dir=args.broker_dir)
-    print(summary)
-    return 0
-
-
 def _stop_group(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
     """SIGTERM the process group, then SIGKILL whatever is left after timeout_s."""
     if proc.poll() is None:
@@ -154,15 +103,15 @@ def _interrupt(signum, frame):
 def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s: float, heartbeat_s: float,
               max_slowdown: float, progress: bool, links: str | Path | None = None,
               broker_dir: str | Path | None = None) -> str:
-    from coordinator.broker import Mosquitto
-    from coordinator.netem import Links, load_links
-    from coordinator.trial_tls import ProvisionedBroker, device_agent_keys, write_private
+    from coordinator.field.netem import Links, load_links
+    from coordinator.trial.broker import Mosquitto
+    from coordinator.trial.tls import ProvisionedBroker, device_agent_keys, write_private
 
     n = cfg.data.clients
     if broker_dir and links:
         raise UserError("--broker-dir cannot be combined with --links (the provisioned broker's listener is its own)")
     tls = device_agent_keys(broker_dir, n) if broker_dir else None  # agent i: device client-<i>'s bundle keys
-    net = Links(load_links(links, n)) if links else None  # link emulation (coordinator/netem.py)
+    net = Links(load_links(links, n)) if links else None  # link emulation (coordinator/field/netem.py)
     procs: list[subprocess.Popen] = []
     logs = []
     old = signal.signal(signal.SIGTERM, _interrupt)
@@ -238,7 +187,7 @@ def merge_traces(out: Path) -> Path:
 
 
 def summarize(out: Path) -> str:
-    from coordinator.participation import read_rows
+    from coordinator.availability.participation import read_rows
 
     counts: dict[str, int] = {}
     for r in read_rows(out / "participation.csv"):

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator import kernels
-from coordinator.kernels import conv2_pool_relu, conv_pool_relu
+from coordinator.sim import kernels
+from coordinator.sim.kernels import conv2_pool_relu, conv_pool_relu
 from edge_client.models import VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_plan, client_generator
 
@@ -81,7 +81,7 @@ class _Batch:
 
     def conv_pool_relu(self, name: str) -> torch.Tensor:
         """The LeNets' first layer on the images, relu(max_pool(conv(x), 2)): fused in one native kernel
-        (coordinator/kernels/conv_pool.cpp) when the engine has it, else the same with torch ops.
+        (coordinator/sim/kernels/conv_pool.cpp) when the engine has it, else the same with torch ops.
         (relu after the pool, as in `_lenet`: same values and gradient routing, 4x fewer elements.)"""
         if self.native:
             return conv_pool_relu(self.x_all, self.s.rows, self.p[name + ".weight"].flatten(0, 1),
@@ -90,7 +90,7 @@ class _Batch:
 
     def conv2_pool_relu(self, h: torch.Tensor, name: str) -> torch.Tensor:
         """The LeNets' second layer, relu(max_pool(conv(h), 2)), returned in row layout [K, B, C·H·W]:
-        one native kernel (coordinator/kernels/conv_pool.cpp) for the shapes it covers, else torch ops."""
+        one native kernel (coordinator/sim/kernels/conv_pool.cpp) for the shapes it covers, else torch ops."""
         w, b = self.p[name + ".weight"], self.p[name + ".bias"]   # [K, O, Cin, R, S], [K, O]
         if self.native and kernels.inner_fits(w.shape[2], w.shape[1], tuple(w.shape[3:]), w.dtype):
             return conv2_pool_relu(h, w.flatten(0, 1), b.reshape(-1), self.k)

@@ -1,0 +1,4 @@
+"""`dropfl client`: one edge agent. The agent lives on the device side (edge_client/agent.py), which
+never imports `coordinator`; this module only hands it the subcommand."""
+
+from edge_client.agent import add_parser  # noqa: F401

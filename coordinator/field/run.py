@@ -1,0 +1,48 @@
+"""Field mode's run: `setup_run` (coordinator/runsetup.py), the MQTT hub and transport, the round loop.
+
+Writes the same run directory as simulation, plus `field.jsonl` (per-round timings, drops, duplicates; agents'
+evaluations and status changes), `field.json` (run id, field options) and `model.onnx`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from coordinator import config
+from coordinator.errors import UserError
+from coordinator.field.transport import FieldAvailability, FieldConfig, FieldHub, MqttTransport, export_onnx
+from coordinator.loop import run_rounds
+from coordinator.runsetup import setup_run
+from edge_client.models import num_params
+
+log = logging.getLogger("dropfl.coordinator")
+
+
+def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = False,
+              progress: bool = True) -> torch.Tensor:
+    run = setup_run(cfg, out, mode="field")
+    run.rundir.write_json("field.json", dataclasses.asdict(fc) | {"password": None})
+    hub = FieldHub(fc, cfg.data.clients, run.binding, num_params(run.model), run.rundir.path)
+    hub.start()
+    finished = False
+    try:
+        want = fc.wait_agents or cfg.data.clients
+        got = hub.wait_for_agents(want, fc.wait_timeout_s)
+        if hub.connects == 0:
+            raise UserError(f"could not connect to the broker {fc.broker} within {fc.wait_timeout_s:g} s")
+        if got < want:
+            raise UserError(f"only {got} of {want} agents came online within {fc.wait_timeout_s:g} s "
+                            f"(broker {fc.broker}); start them with `dropfl client --config FILE`")
+        log.info("run %s: %d agents online; %s", fc.run_id, got, "resuming" if resume else "starting")
+        transport = MqttTransport(hub, run.model, run.input_shape, run.rundir.file("model.onnx"))
+        w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate, run.rundir,
+                       run.w0(), resume=resume, progress=progress)
+        run.save_final(w)
+        run.rundir.file("model.onnx").write_bytes(export_onnx(run.eval_model, w, run.input_shape))  # final model
+        finished = True
+        return w
+    finally:
+        hub.stop(finished)

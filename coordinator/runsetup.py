@@ -1,0 +1,172 @@
+"""One function sets up a run, for every way of running one: `setup_run(cfg, out, mode)`.
+
+    sim      dropfl sim (modelled availability, a replayed participation log or a device trace)
+    field    dropfl coordinator, and so dropfl trial (availability comes from the agents)
+
+It validates what it can before the first write, loads the dataset, builds the data binding
+(edge_client/federation.py), the per-client shards (sim only: in the field each agent loads its own),
+the model, the strategy and the availability source, then creates the run directory, writes
+`config.json` and attaches the run's log files (`log.txt`, `log.jsonl`). The transports then take the
+`Run` and hand it to the round loop (`coordinator/sim/run.py`, `coordinator/field/run.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.availability import models as av
+from coordinator.availability.participation import Replay
+from coordinator.availability.traces import DeviceTraceAvailability
+from coordinator.config import SimConfig
+from coordinator.errors import UserError
+from coordinator.loop import LoopConfig
+from coordinator.rundir import RunDir
+from coordinator.strategies import STRATEGIES, Strategy
+from edge_client import datasets, federation, logs, partition
+from edge_client.federation import DataBinding
+from edge_client.models import build_model, get_flat, set_flat
+from edge_client.trainer import evaluate
+
+log = logging.getLogger("dropfl.run")
+
+# SimConfig fields that are not part of the data binding, and why (test_binding.py checks that every
+# field is either bound, edge_client.federation.BINDING_SOURCE, or listed here).
+NOT_BOUND: dict[tuple[str, str], str] = {
+    ("data", "data_dir"): "a path on one host; the data itself is bound by data_digest",
+    ("train", "lr"): "sent with every task",
+    ("train", "lr_decay"): "applied by the coordinator to the lr it sends",
+    ("train", "lr_min"): "applied by the coordinator to the lr it sends",
+    ("train", "batch_size"): "sent with every task",
+    ("train", "epochs"): "sent with every task",
+    ("train", "steps"): "sent with every task",
+    ("train", "engine"): "how the simulation computes; agents train with the reference local_train",
+    ("clock", "profile"): "simulation only: a virtual clock; in the field time is real",
+    ("run", "rounds"): "the coordinator's schedule",
+    ("run", "eval_every"): "the coordinator's schedule",
+    ("run", "checkpoint_every"): "the coordinator's schedule",
+    ("run", "out"): "the coordinator's run directory",
+    ("run", "threads"): "each host's own CPU setting",
+}
+# Whole sections that stay on the coordinator: availability is modelled (sim) or the agents' own (field),
+# and the strategy is server-side math whose client-side parameters travel in the task.
+NOT_BOUND_SECTIONS = {"availability": "simulation's model of availability; in the field the agents report theirs",
+                      "strategy": "server-side; its client-side parameters (μ, dropout rate) travel in the task"}
+
+
+@dataclass
+class Run:
+    cfg: SimConfig
+    rundir: RunDir
+    ds: datasets.Dataset
+    binding: DataBinding
+    model: torch.nn.Module           # the transport trains through this one
+    eval_model: torch.nn.Module      # the coordinator evaluates (and saves) through this one
+    strategy: Strategy
+    loop: LoopConfig
+    availability: object | None      # sim: the source; field: None (the agents are the source)
+    client_data: list[tuple[torch.Tensor, torch.Tensor]] | None  # sim: every client's shard
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.ds.train.x.shape[1:])
+
+    def w0(self) -> torch.Tensor:
+        return get_flat(self.model)
+
+    def evaluate(self, w: torch.Tensor) -> tuple[float, float]:
+        return evaluate(self.eval_model, w, self.ds.test.x, self.ds.test.y)
+
+    def save_final(self, w: torch.Tensor) -> None:
+        set_flat(self.eval_model, w)
+        self.rundir.save_model(self.eval_model)
+
+
+def build_availability(cfg: SimConfig):
+    a, n, seed = cfg.availability, cfg.data.clients, cfg.run.seed
+    common = {"first_round_all": a.first_round_all, "min_active": a.min_active}
+    if a.kind == "replay":
+        replay = Replay(a.trace, n)
+        if cfg.run.rounds > replay.rounds:
+            raise UserError(f"--rounds {cfg.run.rounds}: the trace {a.trace} covers only {replay.rounds} rounds")
+        return replay
+    if a.kind == "device-trace":
+        return DeviceTraceAvailability(a.device_trace, n, a.round_seconds, a.start_seconds, a.min_battery,
+                                       a.require_charging, a.min_uplink)
+    if a.kind == "always":
+        return av.AlwaysOn(n, seed, **common)
+    if a.kind == "bounded":
+        return av.Bounded(n, seed, tau_max=a.tau_max, tau_dist=a.tau_dist, **common)
+    if a.kind == "static":
+        return av.Static(n, seed, p=a.p, levels=a.p_levels, **common)
+    if a.kind == "timevarying":
+        return av.TimeVarying(n, seed, fraction=a.fraction, **common)
+    if a.kind == "diurnal":
+        return av.Diurnal(n, seed, period=a.period, groups_d=a.diurnal_d, **common)
+    if a.kind == "cluster-dropout":
+        return av.ClusterDropout(n, seed, alpha=a.alpha, **common)
+    raise UserError(f"--availability: unknown model {a.kind!r}")
+
+
+def build_strategy(cfg: SimConfig) -> Strategy:
+    s = cfg.strategy
+    cls = STRATEGIES.get(s.algo)
+    if cls is None:
+        raise UserError(f"--algo: unknown algorithm {s.algo!r} (choose from {', '.join(STRATEGIES)})")
+    return cls.from_config(s) if hasattr(cls, "from_config") else cls(weighting=s.weighting)
+
+
+def binding_of(cfg: SimConfig, ds: datasets.Dataset | None = None) -> DataBinding:
+    """The federation's data binding from the coordinator's config (with the data digest if ds is given)."""
+    sections = {"data": cfg.data, "model": cfg.model, "run": cfg.run}
+    return federation.from_sections(sections, federation.label_digest(ds) if ds is not None else "")
+
+
+def load_dataset(cfg: SimConfig) -> datasets.Dataset:
+    try:
+        return datasets.load(cfg.data.dataset, cfg.data.data_dir)
+    except datasets.DatasetError as e:
+        raise UserError(str(e)) from None
+
+
+def client_data(ds: datasets.Dataset, binding: DataBinding) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    try:
+        parts = federation.client_shards(ds, binding)
+    except partition.PartitionError as e:
+        raise UserError(str(e)) from None
+    return [(ds.train.x[torch.as_tensor(p)], ds.train.y[torch.as_tensor(p)]) for p in parts]
+
+
+def loop_config(cfg: SimConfig) -> LoopConfig:
+    t = cfg.train
+    return LoopConfig(rounds=cfg.run.rounds, n_clients=cfg.data.clients, seed=cfg.run.seed, lr=t.lr,
+                      lr_decay=t.lr_decay, lr_min=t.lr_min, batch_size=t.batch_size, epochs=t.epochs,
+                      steps=t.steps, eval_every=cfg.run.eval_every, checkpoint_every=cfg.run.checkpoint_every)
+
+
+def setup_run(cfg: SimConfig, out: str, mode: str = "sim") -> Run:
+    """Everything a run needs, built and checked before the run directory is written."""
+    if mode not in ("sim", "field"):
+        raise ValueError(f"mode {mode!r}")
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    availability = build_availability(cfg) if mode == "sim" else None
+    strategy = build_strategy(cfg)
+    ds = load_dataset(cfg)
+    binding = binding_of(cfg, ds)
+    shards = client_data(ds, binding) if mode == "sim" else None
+    shape = tuple(ds.train.x.shape[1:])
+    try:
+        model = build_model(cfg.model.model, shape, ds.num_classes, cfg.run.seed, cfg.model.dropout)
+        eval_model = build_model(cfg.model.model, shape, ds.num_classes, cfg.run.seed, cfg.model.dropout)
+    except ValueError as e:
+        raise UserError(f"--model {cfg.model.model}: {e}") from None
+    rundir = RunDir(out)
+    logs.attach_run_files(rundir.path)
+    rundir.write_json("config.json", cfg.to_dict())
+    log.info("run %s: %s on %s, %d clients, %s availability, binding %s", out, cfg.strategy.algo,
+             cfg.data.dataset, cfg.data.clients, cfg.availability.kind if mode == "sim" else "field",
+             binding.data_digest)
+    return Run(cfg, rundir, ds, binding, model, eval_model, strategy, loop_config(cfg), availability, shards)

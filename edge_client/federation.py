@@ -1,0 +1,95 @@
+"""What makes a federation one experiment: its data binding, and the client shards it implies.
+
+The **data binding** is everything an edge agent must share with the coordinator so that its shard,
+its model and its training are the ones the simulation (and a replay) would use. It is declared once,
+here, as `DataBinding`; the coordinator builds it from its `SimConfig` (`BINDING_SOURCE` names the
+config field of each binding key, `coordinator/runsetup.py`), an agent from its config file's `[data]`
+and `[model]` sections, and the coordinator refuses an agent whose binding differs, naming the fields
+(`diff`). `data_digest` binds the data itself (a digest of the training labels), not the path it was
+read from: two hosts keep their datasets in different directories.
+
+`client_shards` is the one place that turns a binding into per-client index arrays; simulation and
+agents both call it. Lives on the device side because the agent may not import `coordinator`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_client import datasets, partition
+
+
+@dataclass(frozen=True)
+class DataBinding:
+    dataset: str
+    partition: str
+    clients: int
+    shards_per_client: int
+    dirichlet_alpha: float
+    seed: int
+    model: str
+    dropout: float | None
+    data_digest: str = ""      # digest of the training labels (`label_digest`); "" = not computed
+
+    def to_meta(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Where each binding key comes from in the coordinator's config (section, field). A test enumerates every
+# SimConfig field: each is here or in coordinator/runsetup.py's NOT_BOUND with the reason.
+BINDING_SOURCE: dict[str, tuple[str, str]] = {
+    "dataset": ("data", "dataset"),
+    "partition": ("data", "partition"),
+    "clients": ("data", "clients"),
+    "shards_per_client": ("data", "shards_per_client"),
+    "dirichlet_alpha": ("data", "dirichlet_alpha"),
+    "seed": ("run", "seed"),
+    "model": ("model", "model"),
+    "dropout": ("model", "dropout"),
+}
+
+
+def from_sections(sections: dict[str, object], data_digest: str = "") -> DataBinding:
+    """The binding from config sections (objects with attributes), e.g. {"data": cfg.data, "run": cfg.run}."""
+    return DataBinding(**{k: getattr(sections[s], f) for k, (s, f) in BINDING_SOURCE.items()},
+                       data_digest=data_digest)
+
+
+def diff(mine: DataBinding, theirs: dict) -> dict[str, tuple]:
+    """{key: (theirs, mine)} for every binding key whose value differs (a missing key differs)."""
+    out = {}
+    for k, v in dataclasses.asdict(mine).items():
+        if k == "data_digest" and (not v or not theirs.get(k)):
+            continue  # one side did not compute it (older agent): the other keys still bind
+        if theirs.get(k) != v:
+            out[k] = (theirs.get(k), v)
+    return out
+
+
+def label_digest(ds: datasets.Dataset) -> str:
+    """16 hex digits of SHA-256 over the training labels: the same data wherever it was read from."""
+    y = np.ascontiguousarray(ds.train.y.numpy().astype(np.int64))
+    return hashlib.sha256(y.tobytes()).hexdigest()[:16]
+
+
+def partition_kwargs(b: DataBinding) -> dict:
+    """The partitioner's own options among the binding's."""
+    if b.partition == "shards":
+        return {"shards_per_client": b.shards_per_client}
+    if b.partition == "dirichlet":
+        return {"alpha": b.dirichlet_alpha}
+    return {}
+
+
+def client_shards(ds: datasets.Dataset, b: DataBinding) -> list[np.ndarray]:
+    """Each client's training indices (raises partition.PartitionError on impossible settings)."""
+    return partition.partition(b.partition, ds.train.y.numpy(), b.clients, b.seed, **partition_kwargs(b))
+
+
+def test_shards(ds: datasets.Dataset, b: DataBinding) -> list[np.ndarray]:
+    """Each client's share of the test split (IID), for on-device evaluation."""
+    return partition.iid(ds.test.y.numpy(), b.clients, b.seed)
