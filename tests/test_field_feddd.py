@@ -15,8 +15,10 @@ from fieldkit import CLI, ROOT, kill_group, start_agent
 from paho.mqtt import client as mqtt
 
 from coordinator.availability.participation import read_rows
+from coordinator.field.collection import RoundState
+from coordinator.field.connection import FieldConfig
+from coordinator.field.hub import FieldHub
 from coordinator.field.sparse import update_tensors
-from coordinator.field.transport import FieldConfig, FieldHub, RoundState
 from coordinator.rundir import read_metrics
 from coordinator.trial.broker import Mosquitto
 from edge_client import feddd, wire

@@ -4,7 +4,10 @@ and heartbeats become drop and availability reasons."""
 
 import torch
 
-from coordinator.field.transport import FieldAvailability, FieldConfig, FieldHub, RoundState
+from coordinator.field.collection import RoundState
+from coordinator.field.connection import FieldConfig
+from coordinator.field.hub import FieldHub
+from coordinator.field.registry import FieldAvailability
 from edge_client import wire
 from edge_client.federation import DataBinding
 from edge_client.trainer import TrainTask

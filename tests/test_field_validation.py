@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import torch
 from test_field_hub import BINDING, make_hub, upload
 
-from coordinator.field.transport import FieldHub, RoundState
+from coordinator.field.collection import RoundState
+from coordinator.field.hub import FieldHub
 from edge_client import wire
 from edge_client.trainer import TrainTask
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_field_hub import make_hub
 
-from coordinator.field.transport import RoundState
+from coordinator.field.collection import RoundState
 from edge_client import wire
 from edge_client.trainer import TrainTask
 

@@ -13,7 +13,10 @@ import torch
 
 from coordinator import config
 from coordinator.errors import UserError
-from coordinator.field.transport import FieldAvailability, FieldConfig, FieldHub, MqttTransport, export_onnx
+from coordinator.field.connection import FieldConfig
+from coordinator.field.hub import FieldHub
+from coordinator.field.registry import FieldAvailability
+from coordinator.field.transport import MqttTransport, export_onnx
 from coordinator.loop import run_rounds
 from coordinator.runsetup import setup_run
 from edge_client.models import num_params
@@ -22,8 +25,8 @@ log = logging.getLogger("dropfl.coordinator")
 
 
 def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = False,
-              progress: bool = True) -> torch.Tensor:
-    run = setup_run(cfg, out, mode="field")
+              progress: bool = True, overwrite: bool = False) -> torch.Tensor:
+    run = setup_run(cfg, out, mode="field", resume=resume, overwrite=overwrite)
     run.rundir.write_json("field.json", dataclasses.asdict(fc) | {"password": None})
     hub = FieldHub(fc, cfg.data.clients, run.binding, num_params(run.model), run.rundir.path)
     hub.start()

@@ -1,0 +1,188 @@
+"""Field mode: collecting a round's messages.
+
+Owns `RoundState` (the round in progress: its tasks and what each selected client has delivered,
+declined, or been dropped for) and the handling of the agents' round messages: update chunks
+reassembled into whole messages (`wire.Reassembler`), upload stats, declines, evaluations. Every
+message is validated (`edge_client.wire`, `coordinator/field/checks.py`, `_invalid`); one that fails is
+rejected: logged with its reason as a warning (structured fields: code, device, topic, round) and
+counted by code (`rejects`, the round's `RoundState.rejects`). Also writes `field.jsonl` (`write_log`).
+Runs on paho's network thread under the hub's lock `cond`; docs/protocol.md lists the checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from coordinator.availability.models import REASONS
+from coordinator.field import checks as field_checks
+from coordinator.field.connection import FieldConfig
+from coordinator.field.registry import AgentInfo
+from coordinator.field.sparse import is_sparse, sparse_problem
+from edge_client import feddd, wire
+from edge_client.trainer import TrainTask
+
+log = logging.getLogger("dropfl.coordinator")
+
+
+@dataclass
+class RoundState:
+    t: int
+    tasks: dict[int, TrainTask]
+    started: float
+    updates: dict[int, wire.Message] = field(default_factory=dict)
+    received_at: dict[int, float] = field(default_factory=dict)
+    stats: dict[int, dict] = field(default_factory=dict)
+    dropped: dict[int, str] = field(default_factory=dict)
+    rejoined: set[int] = field(default_factory=set)
+    duplicates: int = 0
+    rejected: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)  # messages rejected during the round, by code
+    closed: bool = False
+
+    def resolved(self, c: int) -> bool:
+        return c in self.dropped or (c in self.updates and c in self.stats)
+
+
+class Collection:
+    """FieldHub's round collection. Uses the hub's `cfg`, `num_params`, `limits` and `agents`; sets
+    `round` (opened by MqttTransport), `reasm`, `layout` (set by MqttTransport), `late`, `rejects`,
+    `max_update_bytes`, `field_log`."""
+
+    cfg: FieldConfig
+    num_params: int
+    limits: wire.Limits
+    agents: dict[str, AgentInfo]
+
+    def _init_collection(self, rundir_path: Path) -> None:
+        self.reasm = wire.Reassembler(self.limits)
+        self.layout: feddd.Layout | None = None  # the model's FedDD units, to decode sparse updates (MqttTransport)
+        self.round: RoundState | None = None
+        self.late = 0
+        self.rejects: dict[str, int] = {}  # the run's rejected messages, by code (docs/protocol.md)
+        self.max_update_bytes = field_checks.max_update_bytes(self.num_params)
+        self.field_log = rundir_path / "field.jsonl"
+
+    def write_log(self, row: dict) -> None:
+        with open(self.field_log, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _reject(self, device: str, sub: str, code: str, reason: str) -> None:
+        """Log a rejected message with its reason and count it by code (field.jsonl `rejects`)."""
+        self.rejects[code] = self.rejects.get(code, 0) + 1
+        r = self.round
+        if r is not None and not r.closed:
+            r.rejects[code] = r.rejects.get(code, 0) + 1
+        log.warning("%srejected %s of %s [%s]: %s", "" if r is None else f"round {r.t}: ", sub, device, code, reason,
+                    extra={"fields": {"code": code, "device": device, "topic": sub,
+                                      "round": None if r is None else r.t}})
+
+    # --- hooks for the registry: an agent of the open round came (back) online or went offline ---
+    def _agent_online(self, c: int) -> None:
+        r = self.round
+        if r is not None and not r.closed and c in r.tasks and c not in r.updates:
+            if r.dropped.get(c) == "offline":  # back within the round: give it the task again
+                del r.dropped[c]
+            if not r.resolved(c):
+                r.rejoined.add(c)
+
+    def _agent_offline(self, c: int) -> None:
+        r = self.round
+        if r is not None and not r.closed and c in r.tasks and c not in r.updates:
+            r.dropped.setdefault(c, "offline")
+
+    # --- messages (paho network thread, under cond) ---
+    def _on_round_message(self, device: str, sub: str, payload: bytes, now: float) -> None:
+        """A device's `update/...` message: eval, or a chunk of its update, stats or decline."""
+        a = self.agents.get(device)
+        if a is None:
+            self._reject(device, sub, field_checks.DEVICE, "the device has not announced itself (no online status)")
+            return
+        r = self.round
+        if sub == "update/eval":
+            try:
+                m = wire.decode([payload], self.limits, run=self.cfg.run_id, client=a.client, kinds=("eval",),
+                                max_nbytes=0)
+            except wire.WireError as e:
+                self._reject(device, sub, e.code, e.reason)
+                return
+            fields, problem = field_checks.eval_meta(m)
+            if problem:
+                self._reject(device, sub, *problem)
+                return
+            self.write_log({"event": "eval", "round": m.header.round, "client": a.client} | fields)
+            return
+        kinds = {"update/delta": ("update",), "update/stats": ("stats",), "update/decline": ("decline",)}.get(sub)
+        if kinds is None:
+            return
+        if r is None or r.closed:
+            self.late += 1
+            return
+        try:
+            m = self.reasm.add(payload, client=a.client, kinds=kinds,
+                               max_nbytes=self.max_update_bytes if kinds == ("update",) else 0)
+        except wire.WireError as e:
+            r.rejected += 1
+            self._reject(device, sub, e.code, e.reason)
+            if a.client in r.tasks and not r.resolved(a.client) and a.client not in r.updates:
+                r.dropped[a.client] = "rejected"
+            return
+        if m is None:
+            return
+        try:
+            wire.check_binding(m.header, run=self.cfg.run_id, round=r.t)
+        except wire.WireError as e:  # another run's or an earlier round's: late, never aggregated
+            self.late += 1
+            self._reject(device, sub, e.code, f"{e.reason} (late, stale or replayed)")
+            return
+        if a.client not in r.tasks:
+            return
+        c = a.client
+        if m.kind == "decline":
+            reason = m.meta.get("reason")
+            if c not in r.updates:
+                r.dropped.setdefault(c, reason if reason in REASONS else "declined")
+        elif m.kind == "stats":
+            problem = field_checks.stats(m)
+            if problem:  # the update (if valid) still counts, without the upload rates
+                self._reject(device, sub, *problem)
+            r.stats.setdefault(c, {} if problem else m.meta)
+        elif c in r.updates:
+            r.duplicates += 1
+        elif c in r.dropped:
+            log.info("round %d: discarded the update of %s, already dropped (%s)", r.t, device, r.dropped[c])
+        else:
+            problem = field_checks.update(m, self.num_params, a.announce.get("num_samples"))
+            if problem is None and (invalid := self._invalid(m)):
+                problem = (field_checks.PAYLOAD, invalid)
+            if problem is None and is_sparse(m) and r.tasks[c].dropout_rate is None:  # masks only for FedDD
+                problem = (field_checks.PAYLOAD, "a sparse update answers a task without dropout_rate (not FedDD)")
+            if problem:
+                r.rejected += 1
+                r.dropped[c] = "rejected"
+                self._reject(device, sub, *problem)
+            else:
+                r.updates[c], r.received_at[c] = m, now
+
+    def _invalid(self, m: wire.Message) -> str | None:
+        if is_sparse(m):  # FedDD's sparse payload (coordinator/field/sparse.py)
+            problem = sparse_problem(self.layout, m)
+            if problem:
+                return problem
+            for k in ("num_samples", "steps"):
+                if not isinstance(m.meta.get(k), int) or m.meta[k] < 0:
+                    return f"meta {k} missing or not a non-negative integer"
+            return None
+        t = m.tensor
+        if t is None or t.dtype != torch.float32 or list(t.shape) != [self.num_params]:
+            return f"expected a float32 tensor of shape [{self.num_params}], got {m.header.dtype} {m.header.shape}"
+        if not torch.isfinite(t).all():
+            return "the update holds NaN or infinite values"
+        for k in ("num_samples", "steps"):
+            if not isinstance(m.meta.get(k), int) or m.meta[k] < 0:
+                return f"meta {k} missing or not a non-negative integer"
+        return None

@@ -1,0 +1,43 @@
+"""Field mode: `FieldHub`, the coordinator's MQTT side, composed of three parts under one lock.
+
+    Connection  (connection.py)  the MQTT client: connect, TLS, last will, reconnect, publish
+    Registry    (registry.py)    the agents: status, heartbeats, data binding, liveness
+    Collection  (collection.py)  the open round: update reassembly, stats, declines, evals, rejects
+
+The hub holds what they share (`cfg`, `n`, `binding`, `num_params`, `limits`) and the lock `cond`:
+paho's network thread writes under it, the loop's thread (MqttTransport, FieldAvailability) reads and
+waits on it. `_dispatch` routes a device's message to the part that owns it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from coordinator.field.collection import Collection
+from coordinator.field.connection import Connection, FieldConfig
+from coordinator.field.registry import Registry
+from edge_client import federation, wire
+
+
+class FieldHub(Connection, Registry, Collection):
+    """The coordinator's MQTT side: connection, agent registry, round collection. Thread-safe: paho's
+    network thread writes under `cond`, the loop's thread reads and waits on it."""
+
+    def __init__(self, cfg: FieldConfig, n_clients: int, binding: federation.DataBinding, num_params: int,
+                 rundir_path: Path):
+        self.cfg, self.n, self.binding, self.num_params = cfg, n_clients, binding, num_params
+        self.limits = wire.Limits(chunk_bytes=cfg.chunk_bytes, max_tensor_bytes=cfg.max_tensor_bytes)
+        self.cond = threading.Condition()
+        self._init_collection(rundir_path)
+        self._init_registry()
+        self._init_connection()  # last: its callbacks may use all of the above
+
+    def _dispatch(self, device: str, sub: str, payload: bytes, retained: bool) -> None:
+        """One message from `dropfl/device/DEVICE/SUB` (paho's network thread, under `cond`)."""
+        now = time.monotonic()
+        if sub in ("status", "heartbeat"):
+            self._on_agent_message(device, sub, payload, retained, now)
+        else:
+            self._on_round_message(device, sub, payload, now)

@@ -1,0 +1,166 @@
+"""Field mode: what the coordinator knows about its agents.
+
+Owns `AgentInfo` and the registry (`agents` by device id, `by_client` by client index): an agent's
+retained status (online/offline, its announce), its heartbeats, and whether its data binding matches
+the coordinator's (`edge_client.federation.diff`; an agent that differs is never selected). Liveness
+queries (`is_online`, `client_status`, `online_count`, `wait_for_agents`, `device_of`) are asked by the
+loop's thread under the hub's lock `cond`. `FieldAvailability` answers the loop's
+`availability.round(t)` from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from coordinator.availability.models import REASONS, RoundAvailability
+from coordinator.field import checks as field_checks
+from coordinator.field.connection import FieldConfig
+from edge_client import federation, wire
+
+if TYPE_CHECKING:
+    from coordinator.field.hub import FieldHub
+
+log = logging.getLogger("dropfl.coordinator")
+
+
+@dataclass
+class AgentInfo:
+    device: str
+    client: int
+    online: bool = False
+    last_heartbeat: float = -1.0      # coordinator's monotonic clock
+    heartbeat: dict = field(default_factory=dict)
+    announce: dict = field(default_factory=dict)
+    mismatch: str | None = None       # data binding differs from the coordinator's: never selected
+
+
+class Registry:
+    """FieldHub's agent registry. Uses the hub's `cfg`, `n`, `binding`, `limits`, `cond`, and from
+    coordinator/field/collection.py `_reject`, `write_log` and the round hooks `_agent_online`,
+    `_agent_offline`; sets `agents` and `by_client`. Messages arrive on paho's thread under `cond`."""
+
+    cfg: FieldConfig
+    n: int
+    binding: federation.DataBinding
+    limits: wire.Limits
+    cond: threading.Condition
+
+    def _init_registry(self) -> None:
+        self.agents: dict[str, AgentInfo] = {}     # by device id
+        self.by_client: dict[int, AgentInfo] = {}  # the same, by client index
+
+    # --- messages (paho network thread, under cond) ---
+    def _on_agent_message(self, device: str, sub: str, payload: bytes, retained: bool, now: float) -> None:
+        """A device's `status` or `heartbeat`."""
+        known = self.agents.get(device)
+        try:  # a known device keeps the client index it announced first
+            m = wire.decode([payload], self.limits, kinds=(sub,), max_nbytes=0,
+                            client=None if known is None else known.client)
+        except wire.WireError as e:
+            self._reject(device, sub, e.code, e.reason)
+            return
+        problem = field_checks.status_device(m, device) if sub == "status" else None
+        if problem:
+            self._reject(device, sub, *problem)
+            return
+        if sub == "status":
+            self._on_status(device, m, retained)
+        elif device in self.agents:
+            a = self.agents[device]
+            a.last_heartbeat, a.heartbeat = now, m.meta
+
+    def _on_status(self, device: str, m: wire.Message, retained: bool) -> None:
+        meta, c = m.meta, m.header.client
+        state = meta.get("state")
+        a = self.agents.get(device)
+        if a is None:
+            if state != "online":
+                return
+            if not (0 <= c < self.n):
+                self._reject(device, "status", wire.WRONG_CLIENT, f"client {c} outside 0..{self.n - 1}")
+                return
+            other = self.by_client.get(c)
+            if other is not None:
+                self._reject(device, "status", wire.WRONG_CLIENT, f"client {c} is already device {other.device}")
+                return
+            a = self.agents[device] = self.by_client[c] = AgentInfo(device, c)
+        if state == "online":
+            a.announce = meta
+            diff = federation.diff(self.binding, meta)
+            a.mismatch = None if not diff else "data binding differs: " + ", ".join(
+                f"{k} (agent {mine!r}, coordinator {theirs!r})" for k, (mine, theirs) in diff.items())
+            if a.mismatch:
+                log.warning("device %s will not be selected: %s", device, a.mismatch)
+            self._agent_online(a.client)
+            a.online = True
+            a.last_heartbeat = time.monotonic()
+        else:
+            a.online = False
+            self._agent_offline(a.client)
+        self.write_log({"event": "agent", "device": device, "client": a.client, "state": state,
+                        "retained": retained, "time": time.time()})
+
+    # --- queries (loop thread, under cond) ---
+    def is_online(self, a: AgentInfo, now: float) -> bool:
+        """Announced online, heard from within the heartbeat timeout, and at least one heartbeat seen
+        (it carries the agent's availability)."""
+        return a.online and bool(a.heartbeat) and now - a.last_heartbeat <= self.cfg.heartbeat_timeout_s
+
+    def client_status(self, c: int, now: float) -> str | None:
+        """None if client c may take part now, else the reason."""
+        a = self.by_client.get(c)
+        if a is None or not self.is_online(a, now):
+            return "offline"
+        if a.mismatch:
+            return "rejected"
+        if a.heartbeat and not a.heartbeat.get("available", True):
+            reason = a.heartbeat.get("reason")
+            return reason if reason in REASONS else "declined"
+        return None
+
+    def online_count(self) -> int:
+        now = time.monotonic()
+        return sum(1 for a in self.agents.values() if self.is_online(a, now) and not a.mismatch)
+
+    def wait_for_agents(self, n: int, timeout_s: float) -> int:
+        """Wait until n agents are online (announced, heartbeating, same data binding); return how many are."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while self.online_count() < n and time.monotonic() < deadline:
+                self.cond.wait(timeout=min(deadline - time.monotonic(), 1.0))
+            return self.online_count()
+
+    def device_of(self, c: int) -> str | None:
+        a = self.by_client.get(c)
+        return None if a is None else a.device
+
+
+class FieldAvailability:
+    """The loop's availability source in field mode: who is online, heartbeating and willing, per the
+    agents' own reports. `round_wait_s` > 0 gives absent agents that long to (re)join first."""
+
+    name = "field"
+
+    def __init__(self, hub: FieldHub):
+        self.hub = hub
+
+    def round(self, t: int) -> RoundAvailability:
+        if self.hub.cfg.round_wait_s > 0:
+            self.hub.wait_for_agents(self.hub.n, self.hub.cfg.round_wait_s)
+        now = time.monotonic()
+        avail = np.zeros(self.hub.n, bool)
+        reasons: dict[int, str] = {}
+        with self.hub.cond:
+            for c in range(self.hub.n):
+                why = self.hub.client_status(c, now)
+                if why is None:
+                    avail[c] = True
+                else:
+                    reasons[c] = why
+        return RoundAvailability(avail, reasons)
