@@ -69,6 +69,8 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         ck = rundir.load_checkpoint()
         if ck is not None:
             start, w, state, counters = ck["round"] + 1, ck["w"], ck["state"], ck["counters"]
+            if "transport" in ck and hasattr(transport, "load_state_dict"):  # absent in older checkpoints
+                transport.load_state_dict(ck["transport"])
     plog = rundir.participation_log(resume_from_round=start if resume else None)
     metrics = rundir.metrics_writer(resume_from_round=start if resume else None)
     bar = _progress(cfg.rounds, start, progress)
@@ -102,7 +104,10 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         row["elapsed"] = time.perf_counter() - t0
         metrics.write(row)
         if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
-            rundir.save_checkpoint({"round": t, "w": w, "state": state, "counters": counters})
+            ck = {"round": t, "w": w, "state": state, "counters": counters}
+            if hasattr(transport, "state_dict"):  # what the clients keep between rounds (sim: FedDD memory)
+                ck["transport"] = transport.state_dict()
+            rundir.save_checkpoint(ck)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(_postfix(row, metrics.last_accuracy))

@@ -7,7 +7,9 @@ in any order (resume, replay). Reasons use a small vocabulary (see REASONS; docs
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -149,31 +151,80 @@ class Diurnal(Availability):
 class ClusterDropout(Availability):
     """FL-FDMS code generator: exactly int((1 − α)·N) active clients; per cluster (consecutive blocks)
     a count in {1..size} drawn uniformly, rejecting until the counts sum to that total; the active
-    clients within each cluster drawn uniformly. Every cluster keeps ≥ 1 active client."""
+    clients within each cluster drawn uniformly. Every cluster keeps ≥ 1 active client.
+
+    Bounded: settings that cannot be met (fewer active clients than clusters) raise a `UserError` at
+    construction. The acceptance probability of one draw, p = #{counts ∈ {1..size}^C : Σ = total} / size^C,
+    is computed exactly up front. While p ≥ REJECT_MIN_P the released code's rejection loop runs (so the
+    results are bit-identical to it), at most `max_tries` draws (P(all rejected) ≈ 2·10⁻⁹ at worst); after
+    that, or at once where p < REJECT_MIN_P (e.g. α = 0, where every count must be `size`: p = size^−C),
+    the counts are drawn directly from the same distribution (uniform over the admissible count vectors,
+    one cluster after the other with the exact number of completions as weights)."""
 
     name = "cluster-dropout"
+    REJECT_MIN_P = 1e-4         # rejection while one draw in ≤ 10 000 is accepted on average
+    REJECT_MAX_TRIES = 200_000  # (1 − 1e-4)^200 000 ≈ 2·10⁻⁹: the direct draw is then all but never needed
 
     def __init__(self, n_clients, seed=0, alpha: float = 0.5, n_clusters: int = 5, **kw):
         super().__init__(n_clients, seed, **kw)
         if not (0 <= alpha < 1):
             raise UserError(f"--alpha must be in [0, 1) (got {alpha})")
-        if n_clients % n_clusters:
+        if n_clusters < 1 or n_clients < n_clusters or n_clients % n_clusters:
             raise UserError(f"--clients {n_clients} is not a multiple of {n_clusters} clusters")
         self.size = n_clients // n_clusters
         self.n_clusters = n_clusters
         self.n_active = int((1 - alpha) * n_clients)
         if not (n_clusters <= self.n_active <= n_clients):
-            raise UserError(f"--alpha {alpha}: {self.n_active} active clients cannot keep one per cluster")
+            raise UserError(f"--alpha {alpha} with {n_clusters} clusters of {self.size} clients: "
+                            f"int((1 − α)·N) = {self.n_active} active clients cannot keep one in each cluster; "
+                            f"need at least {n_clusters}, i.e. (1 − α)·{n_clients} ≥ {n_clusters} "
+                            f"(lower --alpha or use more --clients)")
+        self.accept_p = float(Fraction(_n_compositions(self.n_active, n_clusters, self.size),
+                                       self.size ** n_clusters))
+        self.max_tries = self.REJECT_MAX_TRIES if self.accept_p >= self.REJECT_MIN_P else 0
+        self._log_ways: np.ndarray | None = None  # built on the first direct draw
 
     def _draw(self, t, rng):
-        while True:
+        for _ in range(self.max_tries):  # the released code's rejection sampling, bounded
             counts = rng.integers(1, self.size + 1, self.n_clusters)
             if counts.sum() == self.n_active:
                 break
+        else:
+            counts = self._direct_counts(rng)
         out = np.zeros(self.n, bool)
         for c, k in enumerate(counts):
             out[c * self.size + rng.choice(self.size, k, replace=False)] = True
         return out
+
+    def _direct_counts(self, rng: np.random.Generator) -> np.ndarray:
+        """Counts uniform over {k ∈ {1..size}^C : Σk = total}, the distribution the rejection loop samples."""
+        if self._log_ways is None:
+            # log_ways[r, s]: log #ways for r clusters to hold s active clients (each 1..size)
+            lw = np.full((self.n_clusters + 1, self.n_active + 1), -np.inf)
+            lw[0, 0] = 0.0
+            for r in range(1, self.n_clusters + 1):
+                for k in range(1, min(self.size, self.n_active) + 1):
+                    lw[r, k:] = np.logaddexp(lw[r, k:], lw[r - 1, :-k])
+            self._log_ways = lw
+        counts, left = np.empty(self.n_clusters, np.int64), self.n_active
+        ks = np.arange(1, self.size + 1)
+        for c in range(self.n_clusters):
+            rest = self.n_clusters - c - 1
+            lw = np.where(ks <= left, self._log_ways[rest, np.maximum(left - ks, 0)], -np.inf)
+            prob = np.exp(lw - lw.max())
+            counts[c] = ks[int(np.searchsorted(np.cumsum(prob), rng.random() * prob.sum(), side="right"))]
+            left -= counts[c]
+        return counts
+
+
+def _n_compositions(total: int, parts: int, size: int) -> int:
+    """#{k ∈ {1..size}^parts : Σk = total}, by inclusion-exclusion over the parts that exceed size."""
+    m, out = total - parts, 0  # extras y_i = k_i − 1 ∈ [0, size − 1], Σy = m
+    for j in range(parts + 1):
+        if m - j * size < 0:
+            break
+        out += (-1) ** j * math.comb(parts, j) * math.comb(m - j * size + parts - 1, parts - 1)
+    return out
 
 
 MODELS = {cls.name: cls for cls in (AlwaysOn, Bounded, Static, TimeVarying, Diurnal, ClusterDropout)}

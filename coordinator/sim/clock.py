@@ -107,6 +107,15 @@ class SimClients:
             report.up_Bps, report.down_Bps = float(self.profile.up_Bps[i]), float(self.profile.down_Bps[i])
         return ClientUpdate(task.client, delta, r.num_samples, r.steps, task.lr, r.loss, mask=mask, report=report)
 
+    def state_dict(self) -> dict:
+        """What the devices keep between rounds (FedDD eq. (5) memory), for the run's checkpoint."""
+        return {"memory": {i: {"round": m.round, "w_local": m.w_local, "masks": list(m.masks)}
+                           for i, m in self.memory.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.memory = {int(i): feddd.Memory(int(m["round"]), m["w_local"], list(m["masks"]))
+                       for i, m in state.get("memory", {}).items()}
+
     def round_stats(self, updates: dict[int, ClientUpdate]) -> dict[str, float]:
         """Bytes moved this round and, with a profile, the virtual round time (eq. 12)."""
         reports = [u.report for u in updates.values() if u.report is not None]

@@ -38,6 +38,13 @@ class SimTransport:
         self.stats = self.clients.round_stats(updates)
         return updates, {}
 
+    def state_dict(self) -> dict:
+        """Per-client state the simulated devices keep between rounds (FedDD memory), for checkpoints."""
+        return {"clients": self.clients.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clients.load_state_dict(state.get("clients", {}))
+
     def round_stats(self) -> dict[str, float]:
         """This round's bytes and, with a profile, virtual round time (eq. 12), for the metrics."""
         return self.stats

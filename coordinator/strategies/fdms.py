@@ -31,6 +31,7 @@ class FDMS(Strategy):
     counted; a dropped client is substituted from C^k ∩ S_t (all of S_t if that is empty); after the
     round, for every k with best candidate b = argmax_{i∈C^k} R^{ki}, every i with R^{kb} − R^{ki} ≥ Θ_t
     leaves C^k for good (the paper's persistent sets; the released code recomputes them every round).
+    Only pairs co-active at least once (N^{ki} > 0) can leave: an unobserved R^{ki} = 0 is no estimate.
 
         Θ_t = sqrt((2 ln(2 N² T B_max) − 2 ln p) / (β t)) + δ_f      (Theorem 2, "case1")
         0.5 · Θ_t                                                    (§6.4 Case 2, "case2")
@@ -130,5 +131,8 @@ class FDMS(Strategy):
 
         if self.cr != "off":  # Hoeffding-race elimination on R_t, every client, every round
             best = sim.masked_fill(~cand, -math.inf).max(1).values
-            cand &= ~(best[:, None] - sim >= self.theta(t, n))  # C^k ← C^k − {i : gap ≥ Θ_t}
+            # fdms.md §2.4 step 2: C^k ← C^k − {i : R^{kφ(k)} − R^{ki} ≥ Θ_t}, over pairs with an estimate only:
+            # Θ_t is a Hoeffding confidence radius over ≥ βt co-active observations (Theorem 2), so a pair
+            # never co-active (N^{ki} = 0, R^{ki} the initial 0, not a measurement) cannot be eliminated.
+            cand &= ~((best[:, None] - sim >= self.theta(t, n)) & (count > 0))
         return w_new, state

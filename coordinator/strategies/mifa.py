@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from coordinator.strategies.base import ClientUpdate, State, Strategy
 from coordinator.strategies.mimic import check_units, global_step, raw_update
+
+log = logging.getLogger("dropfl.strategy")
+
+# The released code's weight round(1/N, 4) is kept only while the N weights sum to within this relative
+# tolerance of 1 (|N·round(1/N, 4) − 1| ≤ 1%: always for N ≤ 200, e.g. 0.999 for N = 30). Beyond it the
+# rounding is an artefact, not a choice (N = 3 000: sum 0.9; N = 15 000: 1.5; N > 20 000: 0, the model
+# never moves), so the exact 1/N of the paper is used instead, with one warning per MIFA instance.
+ROUND_WEIGHTS_REL_TOL = 0.01
 
 
 class MIFA(Strategy):
@@ -25,7 +35,9 @@ class MIFA(Strategy):
             w ← w − η_t v_t with η_t = global_lr · global_lr_decay^t). See `MimiC` and mimic.md §2.5.
         round_weights: True (default) uses the released code's weight round(1/N, 4) per client
             (0.0333 each for N = 30, summing to 0.999), which produced the published MIFA numbers;
-            False uses the exact 1/N of the paper. Paper-versus-code discrepancy, mimic.md §3.
+            False uses the exact 1/N of the paper. Paper-versus-code discrepancy, mimic.md §3. Where the
+            rounding is meaningless (|N·round(1/N, 4) − 1| > ROUND_WEIGHTS_REL_TOL = 1%, e.g. N ≥ 20 001
+            where it is 0) the exact 1/N is used and a warning is logged once ("dropfl.strategy").
         global_lr, global_lr_decay: units="gradient" only, as in `MimiC`.
 
     State: "latest", float32 [N, M], row i = G_i. Updated in place (a sim with N = 10 000 clients of a
@@ -38,6 +50,7 @@ class MIFA(Strategy):
                  global_lr_decay: float = 0.95):
         self.units = check_units(units)
         self.round_weights, self.global_lr, self.global_lr_decay = round_weights, global_lr, global_lr_decay
+        self._warned = False  # the fallback warning is logged once per instance
 
     @classmethod
     def from_config(cls, s) -> MIFA:
@@ -48,7 +61,18 @@ class MIFA(Strategy):
         return {"latest": torch.zeros(n_clients, w0.numel(), dtype=torch.float32)}
 
     def weight(self, n: int) -> float:
-        return round(1 / n, 4) if self.round_weights else 1 / n  # code: round(1/N, 4); paper: 1/N
+        """Per-client weight: code round(1/N, 4) (mimic.md §3) while it stays within 1% of the paper's 1/N."""
+        if not self.round_weights:
+            return 1 / n  # paper: v_t = (1/N) Σ G_i
+        rounded = round(1 / n, 4)  # released code: round(1/N, 4)
+        if abs(n * rounded - 1) <= ROUND_WEIGHTS_REL_TOL:
+            return rounded
+        if not self._warned:
+            self._warned = True
+            log.warning("mifa: the released code's weight round(1/N, 4) = %g is %.1f%% off 1/N = %.6g for N = %d "
+                        "(tolerance %g%%); using the exact 1/N", rounded, 100 * abs(n * rounded - 1), 1 / n, n,
+                        100 * ROUND_WEIGHTS_REL_TOL)
+        return 1 / n
 
     def aggregate(self, state: State, t: int, w: torch.Tensor,
                   updates: dict[int, ClientUpdate]) -> tuple[torch.Tensor, State]:
