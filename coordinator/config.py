@@ -12,6 +12,18 @@ Config file (TOML or JSON): sections named like the dataclasses below, keys like
 
 Precedence: defaults < config file < command-line flags. The resolved config is saved as
 `config.json` in the run directory and can be passed back with `--config`.
+
+Every value, from the file or a flag, is checked against its field before anything runs: the type
+from the annotation, the range from `opt(..., minimum=, maximum=, gt=, lt=)` (floats must also be
+finite), by one generic checker (edge_client/configfile.py `check_value`). A bad value is one line:
+`data.clients must be an integer ≥ 1 (got "abc" in run.toml)`, `train.lr must be a finite number > 0
+(got inf from --lr)` (docs/errors.md). Cross-field rules stay in `validate()`.
+
+Why our own checks and not pydantic v2: these dataclasses already are the single source of the CLI
+flags, the `--help` text and the config-file keys, and the edge agent (on 512 MB boards) reads its
+config through the same `fill_sections`; pydantic would mean a second model layer or converting the
+dataclasses plus a compiled dependency on the boards, for what is ~100 lines of type and range checks
+over five kinds of field (int, float, str, bool, X | None) with messages in our one-line format.
 """
 
 from __future__ import annotations
@@ -21,11 +33,26 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from coordinator.errors import UserError
-from edge_client.configfile import fill_sections, read_config_file
+from edge_client.configfile import check_value, field_types, fill_sections, read_config_file
+
+# edge_client/trainer.py seeds each client's round with torch.Generator.manual_seed(
+# (seed·1_000_003 + round)·1_000_033 + client), which must fit in 64 bits (at most 2**64 − 1); numpy's
+# default_rng([seed, ...]) and torch.manual_seed(seed) take any seed in 0..2**64 − 1, so that is the limit.
+_SEED_A, _SEED_B, _SEED_TOP = 1_000_003, 1_000_033, 2 ** 64 - 1
+SEED_MAX = _SEED_TOP // (_SEED_A * _SEED_B)  # 18446080: the largest seed of a 1-round, 1-client run
 
 
-def opt(default, help: str, choices=None, flag: str | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+def max_seed(rounds: int, clients: int) -> int:
+    """The largest seed whose per-client torch seeds fit in 64 bits for every round and client."""
+    return ((_SEED_TOP - (clients - 1)) // _SEED_B - (rounds - 1)) // _SEED_A
+
+
+def opt(default, help: str, choices=None, flag: str | None = None, *, minimum=None, maximum=None, gt=None,
+        lt=None):
+    """A config field: its `--help` text, choices, flag name (default --field-name) and range
+    (`minimum`/`maximum` inclusive, `gt`/`lt` exclusive), checked by `check_value` for file and flag values."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "minimum": minimum,
+                                            "maximum": maximum, "gt": gt, "lt": lt})
 
 
 @dataclass
@@ -34,9 +61,9 @@ class DataConfig:
     data_dir: str | None = opt(None, "directory with the dataset files (required for cifar10)")
     partition: str = opt("shards", "non-IID partitioner",
                          ["iid", "shards", "fdms-clustered", "fdms-general", "one-label", "dirichlet"])
-    clients: int = opt(30, "number of clients N")
-    shards_per_client: int = opt(2, "shards per client (partition=shards)")
-    dirichlet_alpha: float = opt(0.5, "concentration α (partition=dirichlet)")
+    clients: int = opt(30, "number of clients N", minimum=1)
+    shards_per_client: int = opt(2, "shards per client (partition=shards)", minimum=1)
+    dirichlet_alpha: float = opt(0.5, "concentration α (partition=dirichlet)", gt=0)
 
 
 @dataclass
@@ -44,17 +71,17 @@ class ModelConfig:
     model: str = opt("mimic-cnn", "model architecture",
                      ["mimic-cnn", "fdms-cnn", "cifar-lenet", "vgg11", "mlp", "logreg"])
     dropout: float | None = opt(None, "dropout probability for models with dropout layers "
-                                      "(default: the reference code's 0.5)")
+                                      "(default: the reference code's 0.5)", minimum=0, lt=1)
 
 
 @dataclass
 class TrainConfig:
-    lr: float = opt(0.01, "local learning rate at round 0")
-    lr_decay: float = opt(1.0, "per-round decay γ: lr_t = max(lr·γ^t, lr_min) (MimiC FMNIST: 0.95)")
-    lr_min: float = opt(1e-5, "learning-rate floor")
-    batch_size: int = opt(16, "local mini-batch size B")
-    epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)")
-    steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)")
+    lr: float = opt(0.01, "local learning rate at round 0", gt=0)
+    lr_decay: float = opt(1.0, "per-round decay γ: lr_t = max(lr·γ^t, lr_min) (MimiC FMNIST: 0.95)", gt=0, maximum=1)
+    lr_min: float = opt(1e-5, "learning-rate floor", minimum=0)
+    batch_size: int = opt(16, "local mini-batch size B", minimum=1)
+    epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)", minimum=0)
+    steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)", minimum=1)
     engine: str = opt("loop", "simulation engine: loop = reference per-client loop, batched = a round's clients "
                               "as one computation on 2 worker processes, same weights; the LeNets' first two layers "
                               "run as native kernels built with g++ on first use, DROPFL_NATIVE=0 turns them "
@@ -68,51 +95,57 @@ class AvailabilityConfig:
                     ["always", "bounded", "static", "timevarying", "diurnal", "cluster-dropout", "replay",
                      "device-trace"],
                     flag="--availability")
-    tau_max: int = opt(20, "bounded: maximum period τmax (τ_i drawn from 0..τmax)")
+    tau_max: int = opt(20, "bounded: maximum period τmax (τ_i drawn from 0..τmax)", minimum=0)
     tau_dist: str = opt("uniform", "bounded: τ_i distribution (paper: uniform; code: halfnormal)",
                         ["uniform", "halfnormal"])
-    p: float = opt(0.1, "static: active probability p in (0, 1]")
+    p: float = opt(0.1, "static: active probability p in (0, 1]", gt=0, maximum=1)
     p_levels: int = opt(1, "static: 1 = identical p (paper), 5 = the code's five levels", [1, 5])
-    fraction: float = opt(0.3, "timevarying: fraction P of clients active per round")
-    period: int = opt(100, "diurnal: half-period E in rounds")
-    diurnal_d: int = opt(1, "diurnal: D, clients of digits 0..D-1 form the day group")
-    alpha: float = opt(0.5, "cluster-dropout: dropout ratio α in [0, 1)")
+    fraction: float = opt(0.3, "timevarying: fraction P of clients active per round", gt=0, maximum=1)
+    period: int = opt(100, "diurnal: half-period E in rounds", minimum=1)
+    diurnal_d: int = opt(1, "diurnal: D, clients of digits 0..D-1 form the day group", minimum=0, maximum=10)
+    alpha: float = opt(0.5, "cluster-dropout: dropout ratio α in [0, 1)", minimum=0, lt=1)
     min_active: int = opt(0, "if fewer clients are available, draw this many uniformly "
-                             "(MimiC released code: 2)")
+                             "(MimiC released code: 2)", minimum=0)
     first_round_all: bool = opt(True, "all clients available in round 0 (MimiC, FDMS)")
     trace: str | None = opt(None, "replay: participation log (participation.csv of a run)")
     device_trace: str | None = opt(None, "device-trace: device time series CSV (docs/traces.md)")
-    round_seconds: float = opt(60.0, "device-trace: virtual seconds per round")
+    round_seconds: float = opt(60.0, "device-trace: virtual seconds per round", gt=0)
     start_seconds: float = opt(0.0, "device-trace: trace time of round 0")
-    min_battery: float = opt(0.0, "device-trace: minimum battery %% to train")
+    min_battery: float = opt(0.0, "device-trace: minimum battery %% to train", minimum=0, maximum=100)
     require_charging: bool = opt(False, "device-trace: train only while charging")
-    min_uplink: float = opt(0.0, "device-trace: minimum uplink bytes/s to train")
+    min_uplink: float = opt(0.0, "device-trace: minimum uplink bytes/s to train", minimum=0)
 
 
 @dataclass
 class StrategyConfig:
     algo: str = opt("fedavg", "aggregation strategy")
     weighting: str = opt("uniform", "fedavg: client weights", ["uniform", "samples"])
-    mu: float = opt(0.001, "fedprox: proximal coefficient μ")
-    feddd_d_max: float = opt(0.8, "feddd: maximal dropout rate D_max")
+    mu: float = opt(0.001, "fedprox: proximal coefficient μ", minimum=0)
+    feddd_d_max: float = opt(0.8, "feddd: maximal dropout rate D_max", minimum=0, maximum=1)
     feddd_a_server: float = opt(0.6, "feddd, fedcs: upload budget A_server, the fraction of all clients' "
-                                     "model bytes uploaded per round")
-    feddd_delta: float = opt(0.0, "feddd: penalty δ of eq. 16, seconds per unit of the regulariser re_n")
-    feddd_full_every: int = opt(1, "feddd: h, full-model download every h rounds, sparse in between (eqs. 5-6)")
-    fedcs_deadline: float | None = opt(None, "fedcs: round deadline in seconds (default: budget only)")
-    rate_smoothing: float = opt(0.5, "feddd, fedcs: weight of a new rate measurement in the running estimate")
+                                     "model bytes uploaded per round", gt=0, maximum=1)
+    feddd_delta: float = opt(0.0, "feddd: penalty δ of eq. 16, seconds per unit of the regulariser re_n", minimum=0)
+    feddd_full_every: int = opt(1, "feddd: h, full-model download every h rounds, sparse in between (eqs. 5-6)",
+                                minimum=1)
+    fedcs_deadline: float | None = opt(None, "fedcs: round deadline in seconds (default: budget only)", gt=0)
+    rate_smoothing: float = opt(0.5, "feddd, fedcs: weight of a new rate measurement in the running estimate",
+                                gt=0, maximum=1)
     server_lr: float = opt(1.0, "fedavg, fedprox, scaffold, fdms, mimic (delta units): global step on the "
-                                "averaged update (released codes: 1; FL-FDMS paper text: 0.1)")
+                                "averaged update (released codes: 1; FL-FDMS paper text: 0.1)", gt=0)
     units: str = opt("delta", "mimic, mifa: update units, delta = released code (w ← w − mean delta), "
                               "gradient = paper text (average gradients, w ← w − η_t v_t)", ["delta", "gradient"])
-    global_lr: float = opt(0.01, "mimic, mifa with --units gradient: η_0 of η_t = global_lr·global_lr_decay^t")
-    global_lr_decay: float = opt(0.95, "mimic, mifa with --units gradient: per-round factor of η_t")
-    mifa_round_weights: bool = opt(True, "mifa: weights round(1/N, 4) as the released code (--no-... : exact 1/N)")
-    beta: float = opt(0.1, "fedlaavg: fraction β of clients selected per round, K = βN (oldest first)")
+    global_lr: float = opt(0.01, "mimic, mifa with --units gradient: η_0 of η_t = global_lr·global_lr_decay^t",
+                           gt=0)
+    global_lr_decay: float = opt(0.95, "mimic, mifa with --units gradient: per-round factor of η_t", gt=0, maximum=1)
+    mifa_round_weights: bool = opt(True, "mifa: weights round(1/N, 4) as the released code (--no-... : exact 1/N); "
+                                         "exact 1/N with a warning where N·round(1/N, 4) is more than 1%% off 1 "
+                                         "(N > 200 at worst, e.g. 0 for N > 20000)")
+    beta: float = opt(0.1, "fedlaavg: fraction β of clients selected per round, K = βN (oldest first)",
+                      gt=0, maximum=1)
     fdms_cr: str = opt("off", "fdms: complexity reduction, case1 = Θt, case2 = 0.5·Θt", ["off", "case1", "case2"])
     stale_variant: str = opt("weights", "stale: weights = last local models (FL-FDMS code), "
                                         "update = last updates (paper text)", ["weights", "update"])
-    scaffold_correction_lr: float | None = opt(None, "scaffold: η_L in c_i⁺ (default: the round's local lr)")
+    scaffold_correction_lr: float | None = opt(None, "scaffold: η_L in c_i⁺ (default: the round's local lr)", gt=0)
 
 
 @dataclass
@@ -124,12 +157,14 @@ class ClockConfig:
 
 @dataclass
 class RunConfig:
-    rounds: int = opt(200, "communication rounds T")
-    seed: int = opt(0, "seed for partition, model init, availability and training")
-    eval_every: int = opt(1, "evaluate the global model every n rounds (and at the last round)")
-    checkpoint_every: int = opt(1, "write checkpoint.pt every n rounds")
+    rounds: int = opt(200, "communication rounds T", minimum=1)
+    seed: int = opt(0, f"seed for partition, model init, availability and training (0..{SEED_MAX}: the clients' "
+                       "torch seeds must fit 64 bits; a little less for runs of over 13000 rounds)",
+                    minimum=0, maximum=SEED_MAX)
+    eval_every: int = opt(1, "evaluate the global model every n rounds (and at the last round)", minimum=1)
+    checkpoint_every: int = opt(1, "write checkpoint.pt every n rounds", minimum=1)
     out: str | None = opt(None, "run directory (default: runs/<algo>-<availability>-<seed>)")
-    threads: int | None = opt(None, "torch intra-op threads (default: torch's choice)")
+    threads: int | None = opt(None, "torch intra-op threads (default: torch's choice)", minimum=1)
 
 
 @dataclass
@@ -186,37 +221,45 @@ def load_file(path: str) -> dict:
 
 
 def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
-    file = load_file(args.config) if getattr(args, "config", None) else {}
-    parts = fill_sections(SECTIONS, file, UserError)
+    path = getattr(args, "config", None)
+    file = load_file(path) if path else {}
+    parts = fill_sections(SECTIONS, file, UserError, source=path)  # checks the file's values
+    sources = {f"{section}.{k}": f"in {path}" for section, values in file.items() for k in values}
     for section, obj in parts.items():
-        for name in (f.name for f in dataclasses.fields(obj)):
-            v = getattr(args, f"{section}.{name}", None)
+        for f in dataclasses.fields(obj):
+            v = getattr(args, f"{section}.{f.name}", None)
             if v is not None:
-                setattr(obj, name, v)
+                setattr(obj, f.name, v)
+                sources[f"{section}.{f.name}"] = f"from {flag(f)}"
     cfg = SimConfig(**parts)
-    validate(cfg, algos)
+    validate(cfg, algos, sources)
     return cfg
 
 
-def validate(cfg: SimConfig, algos: list[str]) -> None:
-    """Checks that concern single options; models and datasets check the rest when built."""
-    for section, factory in SECTIONS.items():
-        for f in dataclasses.fields(factory()):
-            choices = algos if f.name == "algo" else f.metadata.get("choices")
-            v = getattr(getattr(cfg, section), f.name)
-            if choices and v not in choices:
-                raise UserError(f"{flag(f)}: unknown value {v!r} (choose from {', '.join(map(str, choices))})")
+def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = None) -> None:
+    """Every field against its type, range and choices (`check_value`), then the rules that join fields;
+    models and datasets check the rest when built. `sources`: "section.field" → "in FILE" / "from --flag",
+    where each value came from, for the messages."""
+    sources = sources or {}
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        hints = field_types(type(obj))
+        for f in dataclasses.fields(obj):
+            key = f"{section}.{f.name}"
+            v = check_value(key, getattr(obj, f.name), hints.get(f.name), f.metadata, sources.get(key, ""),
+                            UserError, choices=algos if key == "strategy.algo" else None)
+            setattr(obj, f.name, v)
     c, t, r = cfg.data, cfg.train, cfg.run
+
+    def got(key: str, v) -> str:
+        return f"(got {v}{' ' + sources[key] if key in sources else ''})"
+
     checks = [
-        (c.clients >= 1, "--clients must be >= 1"),
-        (t.lr > 0, "--lr must be > 0"),
-        (0 < t.lr_decay <= 1, "--lr-decay must be in (0, 1]"),
-        (t.batch_size >= 1, "--batch-size must be >= 1"),
-        (t.epochs >= 1 or (t.steps or 0) >= 1, "--epochs must be >= 1"),
-        (t.steps is None or t.steps >= 1, "--steps must be >= 1"),
-        (r.rounds >= 1, "--rounds must be >= 1"),
-        (r.eval_every >= 1, "--eval-every must be >= 1"),
-        (r.checkpoint_every >= 1, "--checkpoint-every must be >= 1"),
+        (t.epochs >= 1 or (t.steps or 0) >= 1,
+         f"train.epochs must be an integer ≥ 1 unless train.steps is set {got('train.epochs', t.epochs)}"),
+        (r.seed <= max_seed(r.rounds, c.clients),
+         f"run.seed must be an integer in 0..{max_seed(r.rounds, c.clients)} for {r.rounds} rounds of "
+         f"{c.clients} clients, so that the clients' torch seeds fit 64 bits {got('run.seed', r.seed)}"),
         (cfg.availability.kind != "replay" or cfg.availability.trace, "--trace is required with --availability replay"),
         (cfg.availability.kind != "device-trace" or cfg.availability.device_trace,
          "--device-trace is required with --availability device-trace"),
