@@ -7,8 +7,8 @@ setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
-	$(BIN)/dropfl sim --config configs/demo.toml --algo fedavg --out runs/demo/fedavg
-	$(BIN)/dropfl sim --config configs/demo.toml --algo mimic --out runs/demo/mimic
+	$(BIN)/dropfl sim --config configs/demo.toml --algo fedavg --out runs/demo/fedavg --overwrite
+	$(BIN)/dropfl sim --config configs/demo.toml --algo mimic --out runs/demo/mimic --overwrite
 	$(BIN)/dropfl report runs/demo/fedavg runs/demo/mimic --out runs/demo/report
 
 test: setup

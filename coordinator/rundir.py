@@ -4,7 +4,13 @@
     metrics.jsonl      one JSON object per round (schema in docs/run-directory.md)
     participation.csv  who took part in each round and why the others did not (docs/traces.md)
     checkpoint.pt      last completed round: global model, strategy state, counters (for --resume)
+    checkpoint.prev.pt the checkpoint before it, kept in case the last one is damaged
     model.pt           final global model (state_dict)
+    log.txt, log.jsonl the run's log, human and machine-readable
+
+A directory that holds a run is changed only with --resume (continue it) or --overwrite (replace it):
+`check_out` decides, before anything is written. Checkpoints and rewritten files are written to a
+temporary file and renamed, so a crash leaves the previous version whole.
 """
 
 from __future__ import annotations
@@ -12,11 +18,71 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from coordinator.availability.participation import ParticipationLog
+from coordinator.errors import UserError
+
+# Files whose presence means "this directory holds a run"; --overwrite removes exactly these (and field
+# mode's), never anything else a user put there.
+RUN_FILES = ("config.json", "metrics.jsonl", "participation.csv", "checkpoint.pt", "checkpoint.prev.pt",
+             "model.pt", "model.onnx", "field.json", "field.jsonl", "log.txt", "log.jsonl", "crash.log")
+CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
+
+
+def holds_run(path: Path) -> bool:
+    return path.is_dir() and any((path / f).exists() for f in ("config.json", "metrics.jsonl", CHECKPOINT))
+
+
+def _writable_dir(path: Path) -> str | None:
+    """None if `path` is (or can be created as) a writable directory, else why not."""
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            return "no existing parent directory"
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is a file, not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable"
+    return None
+
+
+def check_out(out: str | Path, resume: bool, overwrite: bool) -> Path:
+    """Decide, before writing anything, whether a run may be written to `out`; raise UserError if not."""
+    path = Path(out)
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite contradict each other: continue the run or replace it, not both")
+    problem = _writable_dir(path)
+    if problem:
+        raise UserError(f"--out {out}: cannot write a run directory there ({problem}); choose another --out")
+    if resume:
+        if not (path / CHECKPOINT).exists():
+            prev = " (checkpoint.prev.pt is there: rename it to checkpoint.pt to resume from it)" \
+                if (path / PREVIOUS).exists() else ""
+            raise UserError(f"--resume: {path / CHECKPOINT} does not exist, so there is nothing to resume{prev}; "
+                            f"leave out --resume to start a new run")
+    elif holds_run(path) and not overwrite:
+        raise UserError(f"--out {out} already holds a run; add --resume to continue it or --overwrite to replace "
+                        f"it (or choose another --out)")
+    return path
+
+
+def load_checkpoint_file(path: Path) -> dict:
+    """Read a checkpoint; a damaged one is a UserError naming the file and offering the previous one."""
+    try:
+        ck = torch.load(path, weights_only=False)
+        if not isinstance(ck, dict) or not {"round", "w", "state", "counters"} <= set(ck):
+            raise ValueError("not a dropfl checkpoint (keys round, w, state, counters)")
+    except Exception as e:  # torch raises several types for a truncated or foreign file
+        prev = path.with_name(PREVIOUS)
+        offer = (f"; the previous checkpoint {prev} is there: move it over {path.name} to resume from it"
+                 if path.name != PREVIOUS and prev.exists() else "")
+        raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {str(e)[:120]}){offer}") from None
+    return ck
 
 
 class MetricsWriter:
@@ -25,11 +91,13 @@ class MetricsWriter:
         self.last_accuracy: float | None = None
         rows = []
         if resume_from_round is not None and path.exists():
-            rows = [r for r in read_metrics(path) if r["round"] < resume_from_round]
-        with open(path, "w") as f:
+            rows = [r for r in read_metrics(path, tolerate_torn_tail=True) if r["round"] < resume_from_round]
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
                 self.last_accuracy = r.get("accuracy", self.last_accuracy)
+        os.replace(tmp, path)
 
     def write(self, row: dict) -> None:
         row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
@@ -39,14 +107,35 @@ class MetricsWriter:
             self.last_accuracy = row["accuracy"]
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path, tolerate_torn_tail: bool = False) -> list[dict]:
+    """The rows of metrics.jsonl. A damaged line is a UserError naming the file and line, except (with
+    `tolerate_torn_tail`) a last line cut off by a crash mid-write, which is dropped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.readlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("round"), int):
+                raise ValueError("no integer 'round'")
+        except ValueError as e:
+            if tolerate_torn_tail and i == len(lines) and not line.endswith("\n"):
+                break  # the write of the last row was cut off; the checkpoint decides which rounds count
+            raise UserError(f"{path}, line {i}: damaged metrics row ({str(e)[:80]}); "
+                            f"restore the file or start a new run") from None
+        rows.append(row)
+    return rows
 
 
 class RunDir:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, overwrite: bool = False):
         self.path = Path(path)
+        if overwrite and self.path.is_dir():
+            for name in RUN_FILES:
+                (self.path / name).unlink(missing_ok=True)
+            shutil.rmtree(self.path / "report", ignore_errors=True)
         self.path.mkdir(parents=True, exist_ok=True)
 
     def file(self, name: str) -> Path:
@@ -64,14 +153,19 @@ class RunDir:
         return MetricsWriter(self.file("metrics.jsonl"), resume_from_round)
 
     def save_checkpoint(self, ck: dict) -> None:
-        """Atomic: write to a temporary file, then rename over the old checkpoint."""
-        tmp = self.file("checkpoint.pt.tmp")
+        """Atomic, keeping the previous one: write a temporary file, move the current checkpoint to
+        checkpoint.prev.pt, then rename the new one into place."""
+        tmp = self.file(CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
-        os.replace(tmp, self.file("checkpoint.pt"))
+        if self.file(CHECKPOINT).exists():
+            os.replace(self.file(CHECKPOINT), self.file(PREVIOUS))
+        os.replace(tmp, self.file(CHECKPOINT))
 
     def load_checkpoint(self) -> dict | None:
-        p = self.file("checkpoint.pt")
-        return torch.load(p, weights_only=False) if p.exists() else None
+        p = self.file(CHECKPOINT)
+        return load_checkpoint_file(p) if p.exists() else None
 
     def save_model(self, model: torch.nn.Module) -> None:
-        torch.save(model.state_dict(), self.file("model.pt"))
+        tmp = self.file("model.pt.tmp")
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, self.file("model.pt"))

@@ -12,18 +12,21 @@ the model, the strategy and the availability source, then creates the run direct
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from coordinator import errors
 from coordinator.availability import models as av
 from coordinator.availability.participation import Replay
 from coordinator.availability.traces import DeviceTraceAvailability
 from coordinator.config import SimConfig
 from coordinator.errors import UserError
 from coordinator.loop import LoopConfig
-from coordinator.rundir import RunDir
+from coordinator.rundir import CHECKPOINT, RunDir, check_out, load_checkpoint_file, read_metrics
 from coordinator.strategies import STRATEGIES, Strategy
 from edge_client import datasets, federation, logs, partition
 from edge_client.federation import DataBinding
@@ -146,10 +149,43 @@ def loop_config(cfg: SimConfig) -> LoopConfig:
                       steps=t.steps, eval_every=cfg.run.eval_every, checkpoint_every=cfg.run.checkpoint_every)
 
 
-def setup_run(cfg: SimConfig, out: str, mode: str = "sim") -> Run:
-    """Everything a run needs, built and checked before the run directory is written."""
+# Config fields a resumed run may change: the schedule and this host's settings, never the experiment.
+RESUMABLE_CHANGES = {("run", "rounds"), ("run", "out"), ("run", "threads"), ("run", "eval_every"),
+                     ("run", "checkpoint_every")}
+
+
+def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
+    """The checkpoint to resume from, after checking that it, the metrics and config.json fit this config."""
+    ck = load_checkpoint_file(path / CHECKPOINT)
+    n = sum(p.numel() for p in model.parameters())
+    w = ck["w"]
+    if not isinstance(w, torch.Tensor) or w.numel() != n:
+        raise UserError(f"--resume: {path / CHECKPOINT} holds a model of {getattr(w, 'numel', lambda: '?')()} "
+                        f"parameters, --model {cfg.model.model} has {n}; resume with the run's own config "
+                        f"(--config {path / 'config.json'})")
+    saved = path / "config.json"
+    if saved.exists():
+        try:
+            old = json.loads(saved.read_text())
+        except ValueError as e:
+            raise UserError(f"--resume: {saved} is damaged ({e}); restore it or start a new run") from None
+        new = cfg.to_dict()
+        differ = [f"{s}.{k} ({old.get(s, {}).get(k)!r} → {v!r})" for s, sec in new.items() for k, v in sec.items()
+                  if (s, k) not in RESUMABLE_CHANGES and old.get(s, {}).get(k) != v]
+        if differ:
+            raise UserError(f"--resume: the run in {path} was made with other settings: {', '.join(differ)}; "
+                            f"resume with its own config (--config {saved}) or start a new run")
+    if (path / "metrics.jsonl").exists():
+        read_metrics(path / "metrics.jsonl", tolerate_torn_tail=True)  # a damaged row: UserError now, not later
+    return ck
+
+
+def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False, overwrite: bool = False) -> Run:
+    """Everything a run needs, built and checked before the run directory is written: nothing in `out`
+    changes if any input (flags, files, traces, dataset, checkpoint) is wrong."""
     if mode not in ("sim", "field"):
         raise ValueError(f"mode {mode!r}")
+    path = check_out(out, resume, overwrite)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     availability = build_availability(cfg) if mode == "sim" else None
@@ -163,10 +199,14 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim") -> Run:
         eval_model = build_model(cfg.model.model, shape, ds.num_classes, cfg.run.seed, cfg.model.dropout)
     except ValueError as e:
         raise UserError(f"--model {cfg.model.model}: {e}") from None
-    rundir = RunDir(out)
+    if resume:
+        check_resume(cfg, path, model)
+    # --- everything checked: from here on the run directory is written ---
+    rundir = RunDir(out, overwrite=overwrite)
+    errors.current_run_dir = rundir.path
     logs.attach_run_files(rundir.path)
     rundir.write_json("config.json", cfg.to_dict())
-    log.info("run %s: %s on %s, %d clients, %s availability, binding %s", out, cfg.strategy.algo,
+    log.info("run %s: %s on %s, %d clients, %s availability, binding %s%s", out, cfg.strategy.algo,
              cfg.data.dataset, cfg.data.clients, cfg.availability.kind if mode == "sim" else "field",
-             binding.data_digest)
+             binding.data_digest, " (resumed)" if resume else "")
     return Run(cfg, rundir, ds, binding, model, eval_model, strategy, loop_config(cfg), availability, shards)

@@ -43,7 +43,6 @@ def setup(level: str = "info") -> logging.Logger:
     """Configure the `dropfl` logger: stderr at `level`. Idempotent (re-running replaces the handler)."""
     root = logging.getLogger(ROOT)
     root.setLevel(logging.DEBUG)
-    root.propagate = False
     for h in [h for h in root.handlers if getattr(h, "_dropfl", None) == "stderr"]:
         root.removeHandler(h)
     h = logging.StreamHandler(sys.stderr)

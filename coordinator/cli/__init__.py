@@ -1,43 +1,107 @@
-"""`dropfl` command line. Each subcommand lives in its own module with `add_parser(subparsers)`;
-this file only wires them together and turns user errors into one-line messages (exit code 2)."""
+"""`dropfl` command line. Each subcommand lives in its own module here with `add_parser(subparsers)`;
+this file only wires them together and turns every failure into one line on stderr:
+
+    dropfl: error: <what, where, what to do>     exit 2: bad input (UserError, or a flag argparse refused)
+    dropfl: error: <what>                        exit 1: the run failed (RunFailure, a diverged model)
+    dropfl: error: internal error ... crash.log  exit 1: a bug; the traceback is in the crash log
+
+`--debug` shows tracebacks instead; `--log-level` sets what reaches stderr (the run directory's log.txt and
+log.jsonl always get debug and up)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
 
-from coordinator.errors import UserError
+from coordinator import errors
+from coordinator.errors import RunFailure, UserError
+from edge_client import logs
 
 SUBCOMMANDS = ["coordinator.cli.sim", "coordinator.cli.trace", "coordinator.cli.provision", "coordinator.cli.client",
                "coordinator.cli.coordinator", "coordinator.cli.report", "coordinator.cli.trial",
                "coordinator.cli.reproduce", "coordinator.cli.links"]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: `dropfl: error: <message> (see dropfl sim --help)`."""
+
+    def error(self, message: str):
+        print(f"dropfl: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    d = argparse.SUPPRESS
+    if "--log-level" in parser._option_string_actions:  # `dropfl client` declares its own (edge_client)
+        return
+    parser.add_argument("--log-level", choices=logs.LEVELS, default=d if suppress else "info",
+                        help="what reaches stderr (default: info); the run directory's logs keep debug")
+    parser.add_argument("--debug", action="store_true", default=d if suppress else False,
+                        help="show tracebacks instead of one-line errors")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dropfl",
         description="Federated learning under client dropouts: simulate, run field trials, compare strategies.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _common(parser, suppress=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
     for name in SUBCOMMANDS:
         importlib.import_module(name).add_parser(sub)
+    for p in sub.choices.values():  # the same two options after the subcommand (`dropfl sim --debug`)
+        _common(p, suppress=True)
     return parser
 
 
+def _crash_log(command: str) -> Path:
+    """Write the current exception's traceback to crash.log of the run directory (or a temp file)."""
+    text = f"dropfl {command} crashed at {time.strftime('%Y-%m-%d %H:%M:%S')}\n{traceback.format_exc()}"
+    d = errors.current_run_dir
+    if d is not None and d.is_dir():
+        path = d / "crash.log"
+        try:
+            path.write_text(text)
+            return path
+        except OSError:
+            pass
+    fd, name = tempfile.mkstemp(prefix="dropfl-crash-", suffix=".log")
+    with open(fd, "w") as f:
+        f.write(text)
+    return Path(name)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    logs.setup(args.log_level)
+    errors.current_run_dir = None
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"dropfl {args.command}: error: {e}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"dropfl: error: {e}", file=sys.stderr)
         return 2
+    except (RunFailure, FloatingPointError) as e:
+        if args.debug:
+            raise
+        print(f"dropfl: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"dropfl {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        path = _crash_log(args.command)
+        print(f"dropfl: error: internal error in `dropfl {args.command}`: {type(e).__name__}: {e} "
+              f"(a bug; the traceback is in {path}; rerun with --debug to see it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

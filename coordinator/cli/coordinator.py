@@ -46,13 +46,14 @@ def add_parser(sub) -> None:
     g.add_argument("--broker-config", metavar="FILE",
                    help="coordinator.json of a provisioned broker (broker URL, username, password, ca_file); "
                         "see docs/provisioning.md")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint.pt")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
     p.set_defaults(func=run)
 
 
 def field_config(args: argparse.Namespace, out: Path, resume: bool):
-    from coordinator.field.transport import FieldConfig
+    from coordinator.field.connection import FieldConfig
 
     fc = FieldConfig()
     saved = out / "field.json"
@@ -86,7 +87,7 @@ def run(args) -> int:
     cfg.run.out = out
     fc = field_config(args, Path(out), args.resume)
     signal.signal(signal.SIGTERM, _interrupt)
-    run_field(cfg, fc, out, resume=args.resume, progress=not args.no_progress)
+    run_field(cfg, fc, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"run directory: {out}")
     return 0
 

@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                   threads=args.threads,
                   clients=args.clients, epochs=args.epochs, steps=args.steps, model=args.model, dataset=args.dataset)
     results = reproduce_table3(setup, args.methods, args.taus, args.trials, Path(args.out), Path(args.results),
-                               progress=not args.no_progress and sys.stderr.isatty(), report_only=args.report_only)
+                               progress=not args.no_progress and sys.stderr.isatty(), log=print,
+                               report_only=args.report_only)
     print(markdown(results, args.methods, args.taus), end="")
     print(f"wrote {Path(args.results) / results_stem(args.tau_dist)}.json, .md and _fig4.png")
     return 0

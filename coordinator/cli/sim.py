@@ -17,7 +17,10 @@ def add_parser(sub) -> None:
                     "flags override the file. Writes a run directory (see docs/run-directory.md).",
     )
     config.add_arguments(p, list(STRATEGIES))
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint.pt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out (without --resume or --overwrite, a directory that holds a run "
+                        "is never touched)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -33,7 +36,7 @@ def run(args) -> int:
     cfg = config.resolve(args, list(STRATEGIES))
     out = cfg.run.out or default_out(cfg)
     cfg.run.out = out
-    rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress)
+    rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     last = _last_eval(rundir.file("metrics.jsonl"))
     print(f"run directory: {out}")
     if last:

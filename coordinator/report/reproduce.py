@@ -10,6 +10,7 @@ accuracies in percent), mimic_table3.md (ours beside the paper's numbers) and mi
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import numpy as np
 from coordinator import config
 from coordinator.errors import UserError
 from coordinator.rundir import read_metrics
+
+_log = logging.getLogger("dropfl.reproduce")
 
 # MimiC Table 3: test accuracy (%) after 200 model uploadings, FMNIST, N = 30, 2 classes per client
 PAPER_TABLE3 = {
@@ -128,9 +131,10 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path,
-             progress: bool = True, log=print, report_only: bool = False) -> dict[str, dict[str, dict]]:
+             progress: bool = True, log=None, report_only: bool = False) -> dict[str, dict[str, dict]]:
     """Run (or skip, or resume) every (method, τ, trial); return ours[method][τ] = {mean, std, trials, ...}.
     With `report_only`, nothing is run: unfinished trials are left out of the cells (and said so)."""
+    log = log or _log.info
     from coordinator.runsetup import build_availability
     from coordinator.sim.run import run_sim
     from coordinator.strategies import STRATEGIES
@@ -169,7 +173,7 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
                     resume = (path / "checkpoint.pt").exists()
                     log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: {'resuming' if resume else 'running'} "
                         f"{cfg.run.rounds} rounds -> {path}")
-                    run_sim(cfg, str(path), resume=resume, progress=progress)
+                    run_sim(cfg, str(path), resume=resume, progress=progress, overwrite=not resume)
                 ran.setdefault((method, trial), []).append((tau_i, path))
                 finals.append(curve(path)[1][-1])
                 seeds.append(trial)
@@ -312,7 +316,7 @@ def figure(results: dict, methods: list[str], tau: int, out: Path) -> Path:
 
 
 def reproduce_table3(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path, results_dir: Path,
-                     progress: bool = True, log=print, report_only: bool = False) -> dict:
+                     progress: bool = True, log=None, report_only: bool = False) -> dict:
     ours = run_grid(setup, methods, taus, trials, root, progress, log, report_only)
     results = {"paper": PAPER_TABLE3, "ours": ours, "setup": setup_dict(setup, taus, trials, root)}
     if (results_dir / NOTES).exists():

@@ -10,8 +10,8 @@ from coordinator.sim.clock import load_profile
 from coordinator.sim.transport import SimTransport
 
 
-def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = True) -> RunDir:
-    run = setup_run(cfg, out, mode="sim")
+def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = True, overwrite: bool = False) -> RunDir:
+    run = setup_run(cfg, out, mode="sim", resume=resume, overwrite=overwrite)
     profile = load_profile(cfg.clock.profile, cfg.data.clients) if cfg.clock.profile else None
     transport = SimTransport(run.model, run.client_data, cfg.train.engine, profile, run.ds.num_classes)
     w = run_rounds(run.loop, run.strategy, run.availability, transport, run.evaluate, run.rundir, run.w0(),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -23,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import config
-from coordinator.errors import UserError
+from coordinator.errors import RunFailure, UserError
+
+log = logging.getLogger("dropfl.trial")
 
 PROFILES = ("steady", "low", "charger", "mains", "flat")
 DEFAULT_PROFILES = ("steady", "low", "charger", "mains")
@@ -120,7 +123,7 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
         with tempfile.TemporaryDirectory(prefix="dropfl-trial-") as tmp, (net or contextlib.nullcontext()), \
                 (ProvisionedBroker(broker_dir) if broker_dir
                  else Mosquitto(workdir=tmp, hosts=net.hosts if net else ())) as broker:
-            print(f"broker {broker.url}", file=sys.stderr, flush=True)
+            print(f"broker {broker.url}", file=sys.stderr, flush=True)  # the trial's progress lines
             try:  # processes stop before the broker does: agents still publish their offline status
                 for i in range(n):
                     adir = out / "agents" / f"client-{i}"
@@ -152,7 +155,7 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 print(f"started {n} agents and the coordinator; logs in {out}", file=sys.stderr, flush=True)
                 rc = coord.wait()
                 if rc != 0:
-                    raise UserError(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}")
+                    raise RunFailure(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}")
                 for p in procs[:-1]:  # agents exit on the coordinator's "finished"; give them a moment
                     try:
                         p.wait(timeout=10)
