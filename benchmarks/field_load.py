@@ -34,8 +34,10 @@ def worker(args) -> int:
     """Run agents first..first+count-1 in this process, one thread each; write their upload counts."""
     import torch
 
+    from edge_client import logs
     from edge_client.agent import Agent, config_from_dict
 
+    logs.setup()  # the agents' `[agent client-i] ...` lines go to this worker's log, as before
     torch.set_num_threads(1)
     agents = []
     for i in range(args.first, args.first + args.count):

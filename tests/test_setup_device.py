@@ -104,7 +104,7 @@ def test_install_into_a_prefix_without_systemd(tmp_path: Path, bundle: Path, whe
     where = subprocess.run([str(venv_py), "-c", "import edge_client, provisioning; print(edge_client.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
     assert where.startswith(str(prefix / "opt/dropfl/venv/lib/"))
-    assert Path(where).with_name("agent.py").is_file()
+    assert (Path(where).with_name("agent") / "__init__.py").is_file()
 
     config = prefix / "etc/dropfl/agent.json"
     assert config.stat().st_mode & 0o777 == 0o600

@@ -1,0 +1,146 @@
+"""The agent's work (`Work`, a mixin of `Agent`), all on the main thread.
+
+Owns what happens to a message taken from the inbox: `_handle` reassembles it and keeps the latest
+global model, ONNX model and task (or stops on the coordinator's "finished"); `_on_task` checks a
+task and declines it with the policy's reason, re-sends a cached update, or parses it; `_work` trains
+once the task and its round's global model are both here, and evaluates a new ONNX model when idle;
+`_train_and_upload` runs `edge_client.trainer.local_train` on the agent's shard (or FedDD's
+`feddd.client_round` with its sparse payload), then uploads with `Link._send_update`; `_evaluate`
+scores the global ONNX model with onnxruntime on the agent's test split and publishes the accuracy.
+
+Uses the Agent's cfg, id, client_idx, model, layout, label_score, feddd_memory, x, y, test_x, test_y,
+reasm, limits, battery, stopping, rates, weights, onnx, evaluated, task, cache, rounds_trained.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from edge_client import feddd, wire
+from edge_client.agent.config import log, who
+from edge_client.trainer import TrainTask, local_train
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+class Work:
+    def _handle(self, topic: str, payload: bytes, retained: bool, received: float) -> None:
+        try:
+            msg = self.reasm.add(payload)
+        except wire.WireError as e:
+            log.warning(f"rejected a message on {topic}: {e.reason}", extra=who(self.id))
+            return
+        if msg is None:
+            return
+        h = msg.header
+        if h.kind == "coordinator":
+            if msg.meta.get("state") == "finished" and not retained and self.cfg.agent.exit_when_done:
+                log.info(f"run {h.run} finished; exiting", extra=who(self.id))
+                self.stop()
+        elif h.kind == "model":
+            n = sum(p.numel() for p in self.model.parameters())
+            if msg.tensor is None or msg.tensor.dtype != torch.float32 or list(msg.tensor.shape) != [n]:
+                log.warning(f"rejected a global model of {h.dtype} {h.shape} (expected float32 [{n}])",
+                            extra=who(self.id))
+                return
+            download_s = max(received - h.sent_at, 0.0)
+            self.weights = (h.run, h.round, msg.tensor, download_s, received)
+            if download_s > 0:
+                self.rates["downlink_Bps"] = h.nbytes / download_s
+        elif h.kind == "onnx" and msg.tensor is not None and msg.tensor.dtype == torch.uint8:
+            self.onnx = (h.run, h.round, msg.tensor.numpy().tobytes())
+        elif h.kind == "task":
+            self._on_task(msg, received)
+
+    def _on_task(self, msg: wire.Message, received: float) -> None:
+        h, m = msg.header, msg.meta
+        if h.client != self.client_idx:
+            log.warning(f"rejected a task for client {h.client} (this agent is client {self.client_idx})",
+                        extra=who(self.id))
+            return
+        reason = self.policy_reason()
+        if reason is not None:
+            self._publish("update/decline", wire.encode("decline", h.run, h.round, self.client_idx,
+                                                         meta={"reason": reason}))
+            return
+        if self.cache is not None and self.cache[:2] == (h.run, h.round):
+            self._send_update(h.run, h.round, self.cache[2])  # re-request after a reconnect: same update
+            return
+        try:
+            steps, epochs, rate = m.get("steps"), m.get("epochs"), m.get("dropout_rate")
+            task = TrainTask(client=self.client_idx, round=h.round, lr=float(m["lr"]),
+                             batch_size=int(m["batch_size"]), epochs=None if epochs is None else int(epochs),
+                             steps=None if steps is None else int(steps), prox_mu=float(m.get("prox_mu", 0.0)),
+                             grad_correction=msg.tensor, seed=int(m["seed"]),
+                             dropout_rate=None if rate is None else float(rate),
+                             sparse_download=bool(m.get("sparse_download", False)))
+            if task.dropout_rate is not None and not 0.0 <= task.dropout_rate <= 1.0:
+                raise ValueError(f"dropout_rate {task.dropout_rate} outside [0, 1]")
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning(f"rejected a malformed task for round {h.round}: {e!r}", extra=who(self.id))
+            return
+        self.task = (h.run, task, received)
+
+    def _work(self) -> None:
+        ready = self.task is not None and self.weights is not None
+        if ready and self.weights[:2] == (self.task[0], self.task[1].round):
+            (run, task, task_at), self.task = self.task, None
+            wait_s = max(time.time() - max(task_at, self.weights[4]), 0.0)  # busy with earlier messages
+            self._train_and_upload(run, task, self.weights[2], self.weights[3], wait_s)
+        if self.task is None and self.onnx is not None and self.onnx[:2] != self.evaluated:
+            self._evaluate(*self.onnx)
+
+    def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float,
+                          wait_s: float = 0.0) -> None:
+        start = time.perf_counter()
+        sparse_payload = None
+        if task.dropout_rate is None:
+            r = local_train(self.model, w, self.x, self.y, task)
+        else:  # FedDD: Algorithm 2's mask, the kept values as a sparse payload (edge_client/feddd.py)
+            memory = self.feddd_memory[1] if self.feddd_memory and self.feddd_memory[0] == run else None
+            out, memory = feddd.client_round(self.model, self.layout, w, self.x, self.y, task, memory)
+            self.feddd_memory, r = (run, memory), out.result
+            sparse_payload = feddd.encode_sparse(self.layout, memory.masks, memory.w_local)
+        if self.cfg.agent.slowdown_s_per_step > 0 and self.stopping.wait(self.cfg.agent.slowdown_s_per_step * r.steps):
+            return
+        train_s = time.perf_counter() - start
+        self.battery.training(train_s)
+        samples = r.steps * min(task.batch_size, len(self.y))
+        self.rates["train_samples_per_s"] = samples / train_s if train_s > 0 else None
+        meta = {"num_samples": r.num_samples, "steps": r.steps, "loss": _finite(r.loss), "train_s": train_s,
+                "download_s": download_s, "wait_s": wait_s, "train_samples_per_s": self.rates["train_samples_per_s"]}
+        body = r.delta
+        if sparse_payload is not None:
+            body = torch.frombuffer(bytearray(sparse_payload), dtype=torch.uint8)
+            meta |= {"encoding": feddd.WIRE_ENCODING, "dropout_rate": task.dropout_rate,
+                     "label_score": self.label_score}
+        frames = wire.encode("update", run, task.round, self.client_idx, body, meta, self.limits)
+        self.cache = (run, task.round, frames)
+        self.rounds_trained += 1
+        self._send_update(run, task.round, frames)
+
+    def _evaluate(self, run: str, rnd: int, model_bytes: bytes) -> None:
+        import onnxruntime as ort
+
+        self.evaluated = (run, rnd)
+        start = time.perf_counter()
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.cfg.agent.threads
+        correct = 0
+        try:
+            sess = ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
+            name = sess.get_inputs()[0].name
+            for i in range(0, len(self.test_y), 1000):
+                logits = sess.run(None, {name: self.test_x[i:i + 1000]})[0]
+                correct += int((logits.argmax(1) == self.test_y[i:i + 1000]).sum())
+        except Exception as e:  # onnxruntime raises its own exception types for a bad or foreign model
+            log.warning(f"round {rnd}: could not evaluate the ONNX model: {e}", extra=who(self.id))
+            return
+        acc = correct / max(len(self.test_y), 1)
+        self._publish("update/eval", wire.encode("eval", run, rnd, self.client_idx, meta={
+            "accuracy": acc, "samples": int(len(self.test_y)), "seconds": time.perf_counter() - start}))
