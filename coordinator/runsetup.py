@@ -206,7 +206,7 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
     errors.current_run_dir = rundir.path
     logs.attach_run_files(rundir.path)
     rundir.write_json("config.json", cfg.to_dict())
-    log.info("run %s: %s on %s, %d clients, %s availability, binding %s%s", out, cfg.strategy.algo,
+    log.debug("run %s: %s on %s, %d clients, %s availability, binding %s%s", out, cfg.strategy.algo,
              cfg.data.dataset, cfg.data.clients, cfg.availability.kind if mode == "sim" else "field",
              binding.data_digest, " (resumed)" if resume else "")
     return Run(cfg, rundir, ds, binding, model, eval_model, strategy, loop_config(cfg), availability, shards)
