@@ -13,6 +13,7 @@ the model also hears `training(seconds)` so that training drains it faster than 
 from __future__ import annotations
 
 import csv
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,26 +68,89 @@ class PsutilBattery:
         pass
 
 
+TRACE_COLUMNS = ("device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps")
+
+# column -> (accepts, what it must be); every value must also be finite (a literal nan/inf is an error)
+_TRACE_RANGES = {
+    "t_s": (lambda x: x >= 0, "a finite time >= 0 s"),
+    "online": (lambda x: x in (0, 1), "0 or 1"),
+    "battery_pct": (lambda x: 0 <= x <= 100, "a level in 0..100 %"),
+    "charging": (lambda x: x in (0, 1), "0 or 1"),
+    "uplink_Bps": (lambda x: x >= 0, "a finite rate >= 0 bytes/s"),
+    "downlink_Bps": (lambda x: x >= 0, "a finite rate >= 0 bytes/s"),
+}
+
+
+class TraceRowError(ValueError):
+    """One row of a device trace is malformed; the message names the column and the value."""
+
+
+def parse_trace_row(r: dict) -> tuple[float, dict[str, float | None]]:
+    """Check one device-trace row (as csv.DictReader gives it) and return (t_s, {column: value}).
+
+    An empty cell, or a column the file lacks, is None: "not recorded" (t_s alone is required).
+    Anything else must be a finite number in range: t_s >= 0, online and charging 0 or 1,
+    battery_pct 0..100, rates >= 0. A literal `nan` is an error, not "not recorded": a level that
+    is unknown is written as an empty cell. Shared by the coordinator (coordinator/availability/traces.py)."""
+    if None in r or None in r.values():
+        header = sum(k is not None for k in r)
+        got = header - sum(v is None for k, v in r.items() if k is not None) + len(r.get(None) or [])
+        raise TraceRowError(f"the row has {got} fields, the header {header}")
+    if "device" in r and not r["device"].strip():
+        raise TraceRowError("column 'device' is empty (every row names its device)")
+    vals: dict[str, float | None] = {}
+    for col, (accepts, want) in _TRACE_RANGES.items():
+        raw = (r.get(col) or "").strip()
+        if not raw:
+            if col == "t_s":
+                raise TraceRowError("column 't_s' is empty (every row needs its time in seconds)")
+            vals[col] = None
+            continue
+        hint = "" if col == "t_s" else " (leave the cell empty for \"not recorded\")"
+        try:
+            x = float(raw)
+        except ValueError:
+            raise TraceRowError(f"column {col!r}: {raw!r} is not a number{hint}") from None
+        if not (math.isfinite(x) and accepts(x)):
+            raise TraceRowError(f"column {col!r}: {raw!r} is not {want}{hint}")
+        vals[col] = x
+    return vals.pop("t_s"), vals
+
+
 class TraceBattery:
     """Step function over one device's rows: the latest row at or before t_s holds; before the
-    first row the device is offline. Empty cells mean "not recorded"."""
+    first row the device is offline. Empty cells mean "not recorded". Every row of the file is
+    checked when it is loaded (parse_trace_row): a bad value is an error, never a reading."""
 
     def __init__(self, path: str | Path, device: str | None):
         try:
             with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
+                reader = csv.DictReader(f)
+                if reader.fieldnames and "t_s" not in reader.fieldnames:
+                    raise BatteryError(f"battery trace {path}: no t_s column (see docs/traces.md)")
+                rows = [(reader.line_num, r) for r in reader]
         except OSError as e:
             raise BatteryError(f"battery trace {path}: {e.strerror}") from None
-        if rows and "t_s" not in rows[0]:
-            raise BatteryError(f"battery trace {path}: no t_s column (see docs/traces.md)")
-        if device is not None and rows and "device" in rows[0]:
-            rows = [r for r in rows if r["device"] == device]
-        if not rows:
+        except (csv.Error, UnicodeDecodeError) as e:
+            raise BatteryError(f"battery trace {path}: not a readable CSV ({e}); "
+                               f"give a device trace (see docs/traces.md)") from None
+        parsed = []
+        for line, r in rows:
+            try:
+                t, vals = parse_trace_row(r)
+            except TraceRowError as e:
+                raise BatteryError(f"battery trace {path}:{line}: {e}; fix the row (see docs/traces.md)") from None
+            parsed.append((r.get("device"), t, vals))
+        if device is not None and rows and "device" in rows[0][1]:
+            devices = sorted({d for d, _, _ in parsed})
+            parsed = [p for p in parsed if p[0] == device]
+            if not parsed:
+                shown = ", ".join(repr(d) for d in devices[:5]) + (", ..." if len(devices) > 5 else "")
+                raise BatteryError(f"battery trace {path}: no rows for device {device!r} (it has {shown}); "
+                                   f"set [battery] device to one of them")
+        if not parsed:
             raise BatteryError(f"battery trace {path}: no rows for device {device!r}")
-        try:
-            self.rows = sorted(((float(r["t_s"]), r) for r in rows), key=lambda p: p[0])
-        except ValueError as e:
-            raise BatteryError(f"battery trace {path}: bad t_s value ({e})") from None
+        self.rows = sorted(((t, vals) for _, t, vals in parsed), key=lambda p: p[0])
 
     def read(self, t_s: float) -> Reading:
         last = None
@@ -96,11 +160,7 @@ class TraceBattery:
             last = r
         if last is None:
             return Reading(None, None, online=False)
-
-        def num(k):
-            v = (last.get(k) or "").strip()
-            return float(v) if v else None
-        pct, charging, online = num("battery_pct"), num("charging"), num("online")
+        pct, charging, online = last["battery_pct"], last["charging"], last["online"]
         return Reading(pct, None if charging is None else bool(charging), online is None or bool(online))
 
     def training(self, seconds: float) -> None:

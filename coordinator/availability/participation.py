@@ -16,11 +16,12 @@ arrive or was rejected; reason says why).
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import numpy as np
 
-from coordinator.availability.models import RoundAvailability
+from coordinator.availability.models import REASONS, RoundAvailability
 from coordinator.errors import UserError
 
 FIELDS = ("round", "client", "status", "reason")
@@ -39,11 +40,16 @@ class ParticipationLog:
             self._write([], "w")
 
     def _write(self, rows, mode):
-        with open(self.path, mode, newline="") as f:
+        """mode "w" rewrites the file atomically (temporary file, then rename): a crash during a resume's
+        rewrite leaves the old log whole; mode "a" appends a round."""
+        target = self.path.with_name(self.path.name + ".tmp") if mode == "w" else self.path
+        with open(target, mode, newline="") as f:
             w = csv.DictWriter(f, FIELDS)
             if mode == "w":
                 w.writeheader()
             w.writerows(rows)
+        if mode == "w":
+            os.replace(target, self.path)
 
     def write_round(self, t: int, n: int, avail: RoundAvailability, selected: list[int],
                     participated: set[int], dropped: dict[int, str]) -> None:
@@ -63,16 +69,47 @@ class ParticipationLog:
 
 
 def read_rows(path: Path) -> list[dict]:
+    return [r for _, r in numbered_rows(path)]
+
+
+def numbered_rows(path: Path) -> list[tuple[int, dict]]:
+    """The log's rows, each with the line of the file it ends on (for error messages)."""
     try:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             if reader.fieldnames is None or not set(FIELDS) <= set(reader.fieldnames):
                 raise UserError(f"--trace: {path} is not a participation log (need columns {', '.join(FIELDS)})")
-            return list(reader)
+            return [(reader.line_num, r) for r in reader]
     except OSError as e:
         raise UserError(f"--trace: cannot read {path}: {e.strerror}") from None
     except (csv.Error, UnicodeDecodeError) as e:
         raise UserError(f"--trace: {path} is not a readable CSV ({e})") from None
+
+
+def _spans(xs, most: int = 8) -> str:
+    """[1, 2, 3, 7, 9, 10] -> '1..3, 7, 9..10' (at most `most` spans, then '...')."""
+    spans: list[list[int]] = []
+    for x in sorted(xs):
+        if spans and x == spans[-1][1] + 1:
+            spans[-1][1] = x
+        else:
+            spans.append([x, x])
+    return _fmt_spans(spans, most)
+
+
+def _fmt_spans(spans, most: int = 8) -> str:
+    text = [str(a) if a == b else f"{a}..{b}" for a, b in spans[:most]]
+    return ", ".join(text + (["..."] if len(spans) > most else []))
+
+
+def _gaps(present) -> list[tuple[int, int]]:
+    """The runs of integers in 0..max(present) that are not in `present`, as (first, last) pairs."""
+    gaps, prev = [], -1
+    for t in sorted(present):
+        if t > prev + 1:
+            gaps.append((prev + 1, t - 1))
+        prev = t
+    return gaps
 
 
 class Replay:
@@ -82,26 +119,64 @@ class Replay:
     name = "replay"
 
     def __init__(self, path: str | Path, n_clients: int):
-        rows = read_rows(Path(path))
+        """Reads and checks the whole log up front (so a bad log fails before a run starts): integer
+        round >= 0 and client in 0..n_clients-1, a known status and reason, one row per (round,
+        client), and every client in every round 0..last."""
         self.n = n_clients
         self.table: dict[int, RoundAvailability] = {}
-        for r in rows:
-            try:
-                t, c, status = int(r["round"]), int(r["client"]), r["status"]
-            except (TypeError, ValueError):
-                raise UserError(f"--trace: {path}: bad row {r}") from None
-            if status not in STATUSES:
-                raise UserError(f"--trace: {path}: unknown status {status!r} in round {t}")
+        seen: dict[tuple[int, int], int] = {}
+        fix = "fix or re-record the log (schema: docs/traces.md)"
+        for line, r in numbered_rows(Path(path)):
+            where = f"--trace: {path}:{line}"
+            if None in r or any(r[k] is None for k in FIELDS):
+                header = sum(k is not None for k in r)
+                got = header - sum(v is None for k, v in r.items() if k is not None) + len(r.get(None) or [])
+                raise UserError(f"{where}: the row has {got} fields, the header {header}; {fix}")
+            t, c = (self._int(where, r, k, fix) for k in ("round", "client"))
+            status, reason = r["status"], r["reason"]
             if not (0 <= c < n_clients):
-                raise UserError(f"--trace: {path}: client {c} outside 0..{n_clients - 1} (--clients {n_clients})")
+                raise UserError(f"{where}: column 'client': client {c} is outside 0..{n_clients - 1} "
+                                f"(--clients {n_clients}); replay with the --clients of the recorded run")
+            if status not in STATUSES:
+                raise UserError(f"{where}: column 'status': unknown status {status!r} (one of {', '.join(STATUSES)}); "
+                                f"{fix}")
+            if reason and reason not in REASONS:
+                raise UserError(f"{where}: column 'reason': unknown reason {reason!r} (empty or one of "
+                                f"{', '.join(REASONS)}); {fix}")
+            if (t, c) in seen:
+                raise UserError(f"{where}: round {t}, client {c} again (first on line {seen[t, c]}); "
+                                f"keep one row per client per round")
+            seen[t, c] = line
             ra = self.table.setdefault(t, RoundAvailability(np.zeros(n_clients, bool)))
             if status in ("participated", "not_selected"):
                 ra.available[c] = True
             else:
-                ra.reasons[c] = r["reason"] or ("deadline" if status == "dropped" else "trace")
+                ra.reasons[c] = reason or ("deadline" if status == "dropped" else "trace")
         if not self.table:
             raise UserError(f"--trace: {path} holds no rounds")
         self.rounds = max(self.table) + 1
+        gaps = _gaps(self.table)
+        if gaps:
+            several = len(gaps) > 1 or gaps[0][0] != gaps[0][1]
+            raise UserError(f"--trace: {path} lacks round{'s' if several else ''} {_fmt_spans(gaps)} "
+                            f"(it has rounds up to {self.rounds - 1}); a replayed log needs every round from 0 "
+                            f"on: re-record it, or cut it before the first missing round")
+        for t in range(self.rounds):
+            missing = [c for c in range(n_clients) if (t, c) not in seen]
+            if missing:
+                raise UserError(f"--trace: {path}: round {t} has no row for client{'s' if len(missing) > 1 else ''} "
+                                f"{_spans(missing)} (--clients {n_clients}); replay with the --clients of the "
+                                f"recorded run (the log has a row for every client in every round)")
+
+    @staticmethod
+    def _int(where: str, r: dict, col: str, fix: str) -> int:
+        try:
+            v = int(r[col])
+        except ValueError:
+            raise UserError(f"{where}: column {col!r}: {r[col]!r} is not an integer; {fix}") from None
+        if v < 0:
+            raise UserError(f"{where}: column {col!r}: {v} is negative; {fix}")
+        return v
 
     def round(self, t: int) -> RoundAvailability:
         if t not in self.table:

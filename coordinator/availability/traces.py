@@ -7,7 +7,10 @@ A device trace is one CSV with a row per device per sample, a step function in t
     pi-01,0,1,87.5,0,250000,1000000
     pi-01,60,1,86.9,0,,
 
-Empty cells mean "not recorded" and never make a device unavailable. The edge agent records its
+Empty cells mean "not recorded" and never make a device unavailable (an empty `online` cell is
+the exception: the device counts as offline). Every row is checked on loading: a NaN, negative or
+>100 battery, a non-finite or negative time or rate, an online/charging flag other than 0/1, or an
+empty device id is an error naming the file, line and value. The edge agent records its
 own trace in this schema, so every field trial can be replayed here.
 """
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from coordinator.availability.models import RoundAvailability
 from coordinator.errors import UserError
+from edge_client.battery import TraceRowError, parse_trace_row
 
 TRACE_FIELDS = ("device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps")
 
@@ -39,34 +43,40 @@ class DeviceSeries:
         return self.rows[i] if i >= 0 else None
 
 
-def _num(v: str | None) -> float | None:
-    if v is None or v.strip() == "":
-        return None
-    return float(v)
-
-
 def read_device_trace(path: str | Path) -> dict[str, DeviceSeries]:
+    """Read and check a whole device trace (every row: edge_client.battery.parse_trace_row), so that a
+    bad value is refused with its file, line and value before a run starts, never replayed."""
+    series: dict[str, list[tuple[float, dict]]] = {}
+    first_line: dict[str, int] = {}
     try:
-        f = open(path, newline="")
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = set(TRACE_FIELDS) - set(reader.fieldnames or [])
+            if missing:
+                raise UserError(f"--device-trace: {path} lacks columns {sorted(missing)} (schema: docs/traces.md)")
+            for r in reader:
+                try:
+                    t, row = parse_trace_row(r)
+                except TraceRowError as e:
+                    raise UserError(f"--device-trace: {path}:{reader.line_num}: {e}; fix the row "
+                                    f"(schema: docs/traces.md)") from None
+                series.setdefault(r["device"], []).append((t, row))
+                first_line.setdefault(r["device"], reader.line_num)
     except OSError as e:
         raise UserError(f"--device-trace: cannot read {path}: {e.strerror}") from None
-    series: dict[str, list[tuple[float, dict]]] = {}
-    with f:
-        reader = csv.DictReader(f)
-        missing = set(TRACE_FIELDS) - set(reader.fieldnames or [])
-        if missing:
-            raise UserError(f"--device-trace: {path} lacks columns {sorted(missing)} (schema: docs/traces.md)")
-        for lineno, r in enumerate(reader, start=2):
-            try:
-                row = {"online": _num(r["online"]), "battery_pct": _num(r["battery_pct"]),
-                       "charging": _num(r["charging"]), "uplink_Bps": _num(r["uplink_Bps"]),
-                       "downlink_Bps": _num(r["downlink_Bps"])}
-                t = float(r["t_s"])
-            except (TypeError, ValueError):
-                raise UserError(f"--device-trace: {path}:{lineno}: not a number in {r}") from None
-            series.setdefault(r["device"], []).append((t, row))
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise UserError(f"--device-trace: {path} is not a readable CSV ({e}); give a device trace "
+                        f"(schema: docs/traces.md)") from None
     if not series:
         raise UserError(f"--device-trace: {path} holds no samples")
+    numeric: dict[int, str] = {}
+    for dev in series:
+        if dev.isdigit():
+            other = numeric.setdefault(int(dev), dev)
+            if other != dev:
+                raise UserError(f"--device-trace: {path}:{first_line[dev]}: device {dev!r} and device {other!r} "
+                                f"(line {first_line[other]}) are the same number, so their order is ambiguous; "
+                                f"rename one")
     out = {}
     for dev, pts in series.items():
         pts.sort(key=lambda p: p[0])
