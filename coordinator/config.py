@@ -82,11 +82,14 @@ class TrainConfig:
     batch_size: int = opt(16, "local mini-batch size B", minimum=1)
     epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)", minimum=0)
     steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)", minimum=1)
-    engine: str = opt("loop", "simulation engine: loop = reference per-client loop, batched = a round's clients "
-                              "as one computation on 2 worker processes, same weights; the LeNets' first two layers "
-                              "run as native kernels built with g++ on first use, DROPFL_NATIVE=0 turns them "
-                              "off (docs/engine.md)",
-                      ["loop", "batched"])
+    engine: str = opt("batched", "simulation engine: batched = a round's clients as one computation on 2 "
+                                 "worker processes (on a GPU if there is one), the loop's weights to float rounding; "
+                                 "the LeNets' first two layers run as native kernels built with g++ on first use, "
+                                 "DROPFL_NATIVE=0 turns them off; FedDD tasks and --clock-profile runs train on the "
+                                 "loop. loop = the reference per-client loop (local_train, as the edge agents). The "
+                                 "engine that ran is logged at the start and recorded per round in metrics.jsonl "
+                                 "(docs/engine.md)",
+                      ["batched", "loop"])
 
 
 @dataclass

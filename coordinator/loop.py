@@ -95,6 +95,7 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         row = {"round": t, "lr": lr, "uploads": counters["uploads"], "client_uploads": counters["client_uploads"],
                "available": int(avail.available.sum()), "selected": len(selected), "participants": len(updates),
                "train_loss": _mean([u.loss for u in updates.values()])}
+        row |= transport.round_info() if hasattr(transport, "round_info") else {}  # sim: the engine that ran
         for key, v in (transport.round_stats() if hasattr(transport, "round_stats") else {}).items():
             counters[key] = counters.get(key, 0.0) + v  # what the transport measured: bytes, virtual round time
             row[key], row[key + "_total"] = v, counters[key]

@@ -15,10 +15,12 @@ The float32 test runs the FMNIST workload's models on real FMNIST images at 1e-5
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from coordinator.sim.batched import BatchedEngine
+from coordinator.sim.clock import Profile
 from coordinator.sim.transport import SimTransport
 from edge_client.models import MODELS, build_model, get_flat
 from edge_client.trainer import TrainTask, local_train
@@ -142,3 +144,43 @@ def test_unknown_model_is_refused() -> None:
 
     with pytest.raises(TypeError, match="no batched forward for Odd"):
         BatchedEngine(Odd(), make_data([4], (4,)), workers=0)
+
+
+def test_the_transport_records_what_ran() -> None:
+    """FedDD tasks train on the loop beside the batched engine's, and the round says both; a FedDD run
+    (feddd=True), a clock profile and a model without a batched forward start no batched engine."""
+    model = build_model("mimic-cnn", (1, 28, 28), 10, seed=1)
+    w = get_flat(model)
+    data = make_data([12, 9], (1, 28, 28), seed=2)
+    plain = TrainTask(client=0, round=0, lr=0.05, batch_size=4, steps=2, seed=1)
+    feddd = TrainTask(client=1, round=0, lr=0.05, batch_size=4, steps=2, seed=1, dropout_rate=0.5)
+    transport = SimTransport(model, data)                       # the default engine
+    try:
+        name = transport.batched.describe()                     # batched+native, or batched without a compiler
+        assert transport.describe() == name and name in ("batched", "batched+native", "batched (cuda)")
+        updates, _ = transport.run_round(0, w, [plain, feddd])
+        assert set(updates) == {0, 1} and updates[1].mask is not None
+        assert transport.round_info() == {"engine": f"{name} + loop (feddd tasks)"}
+        transport.run_round(1, w, [feddd])
+        assert transport.round_info() == {"engine": "loop (feddd tasks)"}
+        transport.run_round(2, w, [plain])
+        assert transport.round_info() == {"engine": name}
+    finally:
+        transport.close()
+    assert SimTransport(model, data, "loop").round_info() == {"engine": "loop"}
+    off = SimTransport(model, data, feddd=True)
+    assert off.batched is None and off.round_info() == {"engine": "loop (feddd tasks)"}
+    assert "feddd tasks" in off.summary()[0]
+    profile = Profile(np.full(2, 0.01), np.full(2, 1e5), np.full(2, 1e5))
+    clocked = SimTransport(model, data, profile=profile)
+    assert clocked.batched is None
+    clocked.run_round(0, w, [plain])
+    assert clocked.round_info() == {"engine": "loop (clock profile)"}
+
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+    odd = SimTransport(Odd(), make_data([4], (4,)))
+    assert odd.batched is None and odd.describe() == "loop (no batched forward for Odd)"

@@ -5,7 +5,8 @@ images, by index) and second layer (on activations, output in row layout): value
 float64 to 1e-12 (the kernels sum each output's products in another order than mkldnn, nothing
 else differs), exact gradient routing at exact ties (blank regions, where every conv output of a
 window equals the bias), NaN propagation, shapes with an odd conv output and more columns than one
-vector, and the engine with and without the kernels. Skipped only where no C++ compiler exists.
+vector, and the engine with and without the kernels. Skipped, with the reason, only where no C++
+compiler exists (or DROPFL_NATIVE=0 turns the kernels off); with a compiler, a failed build fails.
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ from coordinator.sim.batched import BatchedEngine
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler: the engine uses torch ops")
+CXX = os.environ.get("CXX", "g++")
+pytestmark = [
+    pytest.mark.skipif(kernels.compiler() is None,   # $CXX, else g++ (or c++), on PATH
+                       reason=f"no C++ compiler ({CXX} not on PATH): the engine uses torch ops"),
+    pytest.mark.skipif(os.environ.get("DROPFL_NATIVE", "1") == "0", reason="DROPFL_NATIVE=0 turns the kernels off"),
+]
+
+
+def test_the_kernels_build() -> None:
+    """A compiler is there, so the kernels must build and load: a failed build is a failure here, not
+    a skip (the engine would silently fall back to the slower torch ops)."""
+    assert kernels.available(), f"{kernels.compiler()} is on PATH but the kernels did not build: {kernels.error()}"
 
 
 def torch_layer(x_all, rows, w, b):

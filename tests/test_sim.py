@@ -94,3 +94,18 @@ def test_trace_show(tmp_path, capsys):
     assert main(["trace", "show", str(run)]) == 0
     out = capsys.readouterr().out
     assert "rounds 6, clients 10" in out and "absent: model_draw" in out
+
+
+@pytest.mark.parametrize("engine", [None, "loop"])
+def test_the_engine_that_ran_is_said_and_recorded(tmp_path, capsys, engine):
+    """The default is the batched engine; the CLI says which engine runs, every metrics row records it."""
+    out = tmp_path / "run"
+    flags = [] if engine is None else ["--engine", engine]
+    assert main(["sim", *[a if a != "6" else "2" for a in TINY], *flags, "--out", str(out)]) == 0
+    want = "batched" if engine is None else "loop"     # logreg: no fused layers, so not batched+native
+    assert f"[sim] engine: {want} — " in capsys.readouterr().err
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["engine"] for r in rows] == [want, want]
+    logged = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    said = [(r["engine"], r["requested"]) for r in logged if r["logger"] == "dropfl.sim"]
+    assert said == [(want, engine or "batched")]

@@ -39,6 +39,7 @@ from torch import nn
 
 from coordinator.sim import kernels
 from coordinator.sim.kernels import conv2_pool_relu, conv_pool_relu
+from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_plan, client_generator
 
@@ -191,6 +192,13 @@ def batched_forward(model: nn.Module) -> Callable[[nn.Module, _Batch], torch.Ten
     raise TypeError(f"batched engine: no batched forward for {type(model).__name__}; use --engine loop")
 
 
+def native_fits(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> bool:
+    """Whether the fused layers can run for `model` on these inputs: a LeNet (its first layer is the
+    fused kernel), on the CPU, float32/64 images; whether they are built is `kernels.available()`."""
+    return (batched_forward(model) in (_lenet, _fdms) and device.type == "cpu" and x_all.dim() == 4
+            and x_all.dtype in (torch.float32, torch.float64))
+
+
 class Group:
     """Trains a list of tasks as one batched computation. Holds the preloaded data of all clients."""
 
@@ -200,8 +208,7 @@ class Group:
         self.device = torch.device(device)
         self.x_all, self.y_all = x_all.to(self.device).contiguous(), y_all.to(self.device)
         # the fused layers (coordinator/kernels) where they can run: CPU, float32/64 images
-        self.native = (native and self.device.type == "cpu" and self.x_all.dim() == 4
-                       and self.x_all.dtype in (torch.float32, torch.float64) and kernels.available())
+        self.native = native and native_fits(model, self.x_all, self.device) and kernels.available()
         self.offsets, self.sizes = offsets, sizes
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
@@ -358,7 +365,8 @@ class BatchedEngine:
     """Runs a round's tasks as `groups` batched slices on `workers` processes (0 = in this process).
 
     Data is concatenated once ([Σ n_i, ...]) and handed to the workers once (shared memory); a round
-    only ships the global weights and the tasks. On CUDA, everything runs in this process.
+    only ships the global weights and the tasks. On CUDA, everything runs in this process, with
+    deterministic arithmetic (edge_client/determinism.py: no TF32, no cuDNN autotuning).
     `native=False` runs the LeNets' first two layers with torch ops instead of the fused kernels
     (coordinator/kernels; for A/B measurements and tests: the results agree to rounding).
     """
@@ -366,7 +374,10 @@ class BatchedEngine:
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  workers: int | None = None, groups: int = 2, device: str | None = None, native: bool = True):
         self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        batched_forward(model)  # a model without one is refused here, before any worker starts
+        device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if is_cuda(device):
+            cuda_deterministic()  # before anything reaches the GPU
         sizes = [len(y) for _, y in client_data]
         offsets = [0]
         for n in sizes[:-1]:
@@ -376,7 +387,7 @@ class BatchedEngine:
         model = _strip_generators(model)
         if workers is None:
             workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
-        self.groups, self.workers = max(1, groups), workers
+        self.groups, self.workers, self.device = max(1, groups), workers, torch.device(device)
         threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
         self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, native) if workers == 0 else None
         if workers > 0:
@@ -386,6 +397,23 @@ class BatchedEngine:
             self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
                                             initargs=(model, x_all.share_memory_(), y_all.share_memory_(),
                                                       offsets, sizes, threads, native))
+        # what the slices run (the workers decide the same way: same model, data and kernel library)
+        self.fits = native_fits(model, x_all, self.device)
+        self.native = native and self.fits and kernels.available()
+
+    def describe(self) -> str:
+        """What trains the tasks, as recorded in metrics.jsonl's `engine`: "batched+native" (the LeNets'
+        fused layers), "batched" (torch ops only: a model without fused layers, or no kernels), and
+        " (cuda)" on a GPU."""
+        return ("batched+native" if self.native else "batched") + ("" if self.device.type == "cpu"
+                                                                   else f" ({self.device.type})")
+
+    def details(self) -> dict:
+        """The engine's settings, for the log line at the start of a run."""
+        out = {"device": str(self.device), "workers": self.workers, "slices": self.groups, "native": self.native}
+        if self.fits and not self.native:   # a LeNet on the CPU without its fused layers: why
+            out["native_off"] = kernels.error() or "native=False"
+        return out
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
         """`groups` contiguous slices of the task list, fixed by the tasks alone (not by `workers`)."""

@@ -56,10 +56,13 @@ def load_profile(path: str | Path, n_clients: int) -> Profile:
         text = p.read_text()
     except OSError as e:
         raise UserError(f"--clock-profile: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--clock-profile: {path} is not a text file (UTF-8 JSON or CSV); "
+                        f"write one with `python -m coordinator.sim.clock`") from None
     try:
         rows = json.loads(text)["clients"] if p.suffix == ".json" else list(csv.DictReader(text.splitlines()))
         table = {int(r["client"]): [float(r[k]) for k in FIELDS] for r in rows}
-    except (KeyError, ValueError, TypeError) as e:
+    except (KeyError, ValueError, TypeError, OverflowError) as e:
         raise UserError(f"--clock-profile: {path} is not a profile (client + {', '.join(FIELDS)}): {e!r}") from None
     missing = [i for i in range(n_clients) if i not in table]
     if missing:

@@ -1,6 +1,8 @@
-"""The in-process transport: virtual clients trained in this process (reference loop or batched engine)."""
+"""The in-process transport: virtual clients trained in this process (batched engine or reference loop)."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -8,35 +10,106 @@ from coordinator.sim.clock import Profile, SimClients
 from coordinator.strategies import ClientUpdate
 from edge_client.trainer import TrainTask, local_train
 
+log = logging.getLogger("dropfl.sim")
+
 
 class SimTransport:
-    """In-process virtual clients. `engine="loop"` is the reference: one client after another with
-    the same `local_train` the edge agent runs. Every selected client's update arrives."""
+    """In-process virtual clients; every selected client's update arrives.
+
+    `engine="batched"` (the default) trains a round's clients as one computation
+    (coordinator/sim/batched.py), with the loop's updates (to float rounding, docs/engine.md).
+    `engine="loop"` is the reference: one client after another with the same `local_train` the edge
+    agent runs. Tasks the batched engine does not replay run on the loop, as with `engine="loop"`:
+    FedDD's (`dropout_rate`: masks and device memory, coordinator/sim/clock.py), every task of a run
+    with a clock `profile`, and every task of a model without a batched forward. `feddd=True` (the
+    strategy gives every task a dropout rate) starts no batched engine at all.
+
+    What ran is recorded: `describe()` for the run (logged at its start), `round_info()["engine"]`
+    for each round (a column of metrics.jsonl).
+    """
 
     def __init__(self, model: torch.nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
-                 engine: str = "loop", profile: Profile | None = None, num_classes: int | None = None):
+                 engine: str = "batched", profile: Profile | None = None, num_classes: int | None = None,
+                 feddd: bool = False):
+        if engine not in ("batched", "loop"):
+            raise ValueError(f"engine {engine!r}: batched or loop")
         self.model, self.client_data, self.engine = model, client_data, engine
         self.clients = SimClients(model, profile, num_classes)  # FedDD masks and the virtual clock
         self.stats: dict[str, float] = {}
         self.batched = None
-        if engine == "batched":  # coordinator/sim/batched.py: a round's clients as one computation
-            from coordinator.sim.batched import BatchedEngine
-            self.batched = BatchedEngine(model, client_data)
+        self.loop_reason: str | None = None  # why the loop trains although engine="batched"
+        if engine == "batched":
+            if profile is not None:
+                self.loop_reason = "clock profile"
+            elif feddd:
+                self.loop_reason = "feddd tasks"
+            else:
+                from coordinator.sim.batched import BatchedEngine
+                try:
+                    self.batched = BatchedEngine(model, client_data)
+                except TypeError as e:  # a model without a batched forward: the loop, said once
+                    self.loop_reason = f"no batched forward for {type(model).__name__}"
+                    log.warning("%s; its clients train on the reference loop", e)
+        self.last_engine = self.describe()
+
+    def describe(self) -> str:
+        """The engine of the run: "batched+native", "batched", "batched (cuda)", "loop", or
+        "loop (<why>)" where the batched engine was asked for but cannot replay the run's tasks."""
+        if self.batched is not None:
+            return self.batched.describe()
+        return "loop" if self.loop_reason is None else f"loop ({self.loop_reason})"
+
+    def summary(self) -> tuple[str, dict]:
+        """The log line for the start of a run, and its structured fields."""
+        name = self.describe()
+        fields: dict = {"engine": name, "requested": self.engine}
+        if self.batched is not None:
+            d = self.batched.details()
+            fields |= d
+            text = f"a round's clients as one computation on {d['device']}"
+            if d["workers"]:
+                text += f", {d['workers']} worker processes"
+            if d["native"]:
+                text += ", fused LeNet kernels"
+            elif "native_off" in d:
+                text += f", torch ops (native kernels unavailable: {d['native_off'].splitlines()[0]})"
+            if self.batched.device.type == "cuda":
+                text += ", deterministic (no TF32)"
+        elif self.loop_reason is None:
+            text = "the reference, one client after another (local_train)"
+        else:
+            text = f"the reference loop, as --engine batched does not replay runs with {self.loop_reason}"
+        return f"engine: {name} — {text}", fields
 
     def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]):
         updates, done = {}, {}
-        if self.batched is not None and self.clients.profile is None:  # FedDD tasks stay on the loop
+        if self.batched is not None:  # FedDD tasks stay on the loop
             plain = [task for task in tasks if task.dropout_rate is None]
-            done = {task.client: r for task, r in zip(plain, self.batched.run(w, plain))}
+            if plain:
+                done = {task.client: r for task, r in zip(plain, self.batched.run(w, plain))}
+        looped = False
         for task in tasks:
             x, y = self.client_data[task.client]
             if task.dropout_rate is not None or self.clients.profile is not None:
                 updates[task.client] = self.clients.run(w, x, y, task)  # coordinator/sim/clock.py
+                looped = True
                 continue
-            r = done[task.client] if task.client in done else local_train(self.model, w, x, y, task)
+            if task.client in done:
+                r = done[task.client]
+            else:
+                r, looped = local_train(self.model, w, x, y, task), True
             updates[task.client] = ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
         self.stats = self.clients.round_stats(updates)
+        self.last_engine = self._round_engine(bool(done), looped)
         return updates, {}
+
+    def _round_engine(self, batched: bool, looped: bool) -> str:
+        """What trained this round's clients (a round without any: the run's engine)."""
+        if batched and looped:   # FedDD tasks beside plain ones
+            return f"{self.batched.describe()} + loop (feddd tasks)"
+        if looped and self.batched is not None:
+            return "loop (feddd tasks)"
+        return self.describe()
 
     def state_dict(self) -> dict:
         """Per-client state the simulated devices keep between rounds (FedDD memory), for checkpoints."""
@@ -48,3 +121,12 @@ class SimTransport:
     def round_stats(self) -> dict[str, float]:
         """This round's bytes and, with a profile, virtual round time (eq. 12), for the metrics."""
         return self.stats
+
+    def round_info(self) -> dict[str, str]:
+        """What ran this round, for the metrics row (not summed, unlike `round_stats`)."""
+        return {"engine": self.last_engine}
+
+    def close(self) -> None:
+        """Stop the batched engine's worker processes."""
+        if self.batched is not None:
+            self.batched.close()

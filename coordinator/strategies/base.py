@@ -38,6 +38,7 @@ class Strategy:
 
     name = "base"
     uploads_per_round = 1  # vectors uploaded per participant per round (SCAFFOLD: 2)
+    sets_dropout_rate = False  # its tasks carry a dropout_rate (FedDD): the simulation trains them on the loop
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
         return {}

@@ -63,6 +63,7 @@ class FedDD(Strategy):
     """
 
     name = "feddd"
+    sets_dropout_rate = True
 
     def __init__(self, *, d_max: float = 0.8, a_server: float = 0.6, delta: float = 0.0, full_every: int = 1,
                  smoothing: float = 0.5, solver: str = "CLARABEL"):

@@ -79,10 +79,10 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("DROPFL_NATIVE", "1") == "0":
             _error = "disabled by DROPFL_NATIVE=0"
             return None
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        cxx = compiler()
         try:
             if cxx is None:
-                raise RuntimeError("no C++ compiler (g++) on PATH")
+                raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'g++ or c++'}) on PATH")
             lib = ctypes.CDLL(str(_build(cxx)))
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             for name, pointers in (("conv_pool_fwd", 6), ("conv_pool_bwd", 6), ("conv2_pool_fwd", 5),
@@ -101,6 +101,20 @@ def load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load() is not None
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX if set, else g++, else c++ (None: not on PATH)."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def error() -> str | None:
+    """Why the kernels are not available (after `load()`): no compiler, the build's error, or
+    DROPFL_NATIVE=0; None if they are, or if `load()` has not been called."""
+    return _error
 
 
 def _ptr(t: torch.Tensor) -> int:
