@@ -1,4 +1,6 @@
-"""Link emulation for one-machine trials (`dropfl trial --links FILE`, docs/links.md).
+"""Link emulation for one-machine trials (`dropfl trial --links FILE`, docs/links.md). Slightly over ~300
+lines: the link plan, its validation and the namespace life cycle belong together (cleanup must know
+exactly what setup made).
 
 Every agent runs in its own network namespace `dropfl-<pid>-<i>`, joined to the host by a veth pair
 (host end `dfh<pid>x<i>`, agent end `dfn<pid>x<i>`) with the private /30 10.231.<i>.0: the host end

@@ -1,5 +1,9 @@
 """Batched simulation engine: all clients of a round trained as ONE computation, exactly like the loop.
 
+Longer than the ~300-line rule because it is one idea that only reads as a whole: the batched layers,
+the step plan that replays each client's batches and dropout masks, and the worker pool that runs slices
+of it must agree line by line with `local_train` for the results to be exact.
+
 Every parameter gets a leading client dimension ([K, *shape]); convolutions become grouped
 convolutions (groups = K) on activations laid out [B, K·C, H, W], linear layers become batched
 matmuls on [K, B, F]. Each client's loss only depends on its own slice, so one backward pass of
