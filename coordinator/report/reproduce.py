@@ -3,7 +3,8 @@
 One run directory per (method, τmax, trial) under --out, run with coordinator.sim.run.run_sim in the paper's
 setup (mimic.md §4.4 and §7). Finished runs are skipped and interrupted ones resumed from their checkpoint,
 so the command can be stopped and restarted. (Over ~300 lines: one experiment end to end, grid, table,
-evidence and figure, which a reviewer holding the paper reads top to bottom.) Results: <results>/mimic_table3.json (schema of issue 3,
+evidence and figure, which a reviewer holding the paper reads top to bottom.)
+Results: <results>/mimic_table3.json (schema of issue 3,
 accuracies in percent), mimic_table3.md (ours beside the paper's numbers) and mimic_table3_fig4.png
 (accuracy against uploads at τmax = 20, one line per method, mean over trials).
 """
