@@ -29,8 +29,9 @@ def fail(capsys, argv, code=2) -> str:
     capsys.readouterr()
     assert main(argv) == code
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("dropfl: error: "), err
-    return err[0]
+    # one error line, last; before it at most the progress lines of a run that had started ("[sim] engine: ...")
+    assert err[-1].startswith("dropfl: error: ") and all(e.startswith("[") for e in err[:-1]), err
+    return err[-1]
 
 
 def test_a_directory_holding_a_run_is_never_touched_without_resume_or_overwrite(run2, capsys):
