@@ -34,7 +34,15 @@ CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
 
 
 def holds_run(path: Path) -> bool:
-    return path.is_dir() and any((path / f).exists() for f in ("config.json", "metrics.jsonl", CHECKPOINT))
+    """True if `path` holds at least one completed round (a checkpoint or a metrics row). A directory where
+    a run was set up but stopped before its first round (no broker, no agents) holds nothing to lose and
+    may be reused as it is."""
+    if not path.is_dir():
+        return False
+    if (path / CHECKPOINT).exists() or (path / PREVIOUS).exists() or (path / "model.pt").exists():
+        return True
+    m = path / "metrics.jsonl"
+    return m.exists() and m.stat().st_size > 0
 
 
 def _writable_dir(path: Path) -> str | None:

@@ -31,14 +31,24 @@ from pathlib import Path
 def read_config_file(path: str | Path, error: type[Exception], option: str = "--config") -> dict:
     """Parse `path` as JSON (by its .json suffix) or TOML; failures raise `error` with one line."""
     p = Path(path)
+    kind = "JSON" if p.suffix == ".json" else "TOML"
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise error(f"{option}: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{option}: {path} is not a UTF-8 text file (byte {e.start}: {e.reason}); "
+                    f"give a {kind} config file") from None
     try:
-        return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise error(f"{option}: {path} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+        raise error(f"{option}: {path} is not valid {kind}: {e}") from None
+    except RecursionError:
+        raise error(f"{option}: {path} is not valid {kind}: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise error(f"{option}: {path} must hold a table of sections ({{\"data\": {{...}}, ...}}), "
+                    f"not {show(data, 30)}")
+    return data
 
 
 def fill_sections(sections: dict[str, Callable[[], object]], data: dict, error: type[Exception],
@@ -84,6 +94,8 @@ def check_value(key: str, value, hint, meta: Mapping | None = None, where: str =
     `gt`, `lt`, `choices`); `choices` overrides the metadata's; `where`: "in FILE", "from --flag" or ""."""
     meta = meta or {}
     choices = choices if choices is not None else meta.get("choices")
+    if isinstance(value, str) and "\x00" in value:  # names and paths: the OS refuses NUL in a path
+        raise error(f"{key} must be a string without NUL characters (got {show(value)}{' ' + where if where else ''})")
     ok, out = _conform(value, hint)
     if ok and choices and out is not None and out not in choices:
         ok = False

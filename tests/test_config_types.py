@@ -127,7 +127,7 @@ def test_agent_sections_are_type_checked(values, needle):
 
 def test_agent_config_through_the_agent():
     agent = pytest.importorskip("edge_client.agent")
-    with pytest.raises(agent.AgentError, match=r'data\.clients must be an integer \(got "5" in agent config\)'):
+    with pytest.raises(agent.AgentError, match=r'data\.clients must be an integer ≥ 1 \(got "5" in agent config\)'):
         agent.config_from_dict({"data": {"clients": "5"}})
     cfg = agent.config_from_dict({"agent": {"heartbeat_s": 2, "device_id": None}, "battery": {"plugged": [[0, 10]]}})
     assert cfg.agent.heartbeat_s == 2.0 and cfg.battery.plugged == [[0.0, 10.0]]

@@ -76,6 +76,11 @@ def _crash_log(command: str) -> Path:
     return Path(name)
 
 
+def _one_line(e: BaseException) -> str:
+    """The message on one line: an exception's text may hold newlines (a path, a parser's excerpt)."""
+    return " ".join(str(e).splitlines())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level)
@@ -85,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             raise
-        print(f"dropfl: error: {e}", file=sys.stderr)
+        print(f"dropfl: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (RunFailure, FloatingPointError) as e:
         if args.debug:
             raise
-        print(f"dropfl: error: {e}", file=sys.stderr)
+        print(f"dropfl: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"dropfl {args.command}: interrupted", file=sys.stderr)
@@ -99,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         path = _crash_log(args.command)
-        print(f"dropfl: error: internal error in `dropfl {args.command}`: {type(e).__name__}: {e} "
+        print(f"dropfl: error: internal error in `dropfl {args.command}`: {type(e).__name__}: {_one_line(e)} "
               f"(a bug; the traceback is in {path}; rerun with --debug to see it)", file=sys.stderr)
         return 1
+    finally:
+        logs.detach_run_files()  # an in-process caller's next command must not log into this run's files
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from pathlib import Path
 from coordinator import config
 from coordinator.errors import UserError
 from coordinator.field.run import run_field
+from edge_client.agent.config import AgentError, broker_address
+from edge_client.configfile import check_value
 
 FIELD_OPTIONS = {  # flag: (FieldConfig field, type, help)
     "--broker": ("broker", str, "MQTT broker URL mqtt://HOST[:PORT] (default: mqtt://127.0.0.1:1883)"),
@@ -28,6 +30,9 @@ FIELD_OPTIONS = {  # flag: (FieldConfig field, type, help)
     "--chunk-bytes": ("chunk_bytes", int, "send tensors above this size in chunks (default: 262144)"),
     "--run-id": ("run_id", str, "run id bound into every message (default: run directory name + random suffix)"),
 }
+# ranges of the numeric field options (edge_client/configfile.py check_value; floats must also be finite)
+FIELD_LIMITS = {"deadline_s": {"gt": 0}, "heartbeat_timeout_s": {"gt": 0}, "wait_agents": {"minimum": 0},
+                "wait_timeout_s": {"minimum": 0}, "round_wait_s": {"minimum": 0}, "chunk_bytes": {"minimum": 1}}
 
 
 def add_parser(sub) -> None:
@@ -58,7 +63,11 @@ def field_config(args: argparse.Namespace, out: Path, resume: bool):
     fc = FieldConfig()
     saved = out / "field.json"
     if resume and saved.exists():
-        fc = FieldConfig(**json.loads(saved.read_text()))
+        try:
+            fc = FieldConfig(**json.loads(saved.read_text()))
+        except (OSError, ValueError, TypeError) as e:  # TypeError: not an object, or keys FieldConfig lacks
+            raise UserError(f"--resume: {saved} is damaged ({type(e).__name__}: {str(e)[:80]}); restore it, "
+                            f"or delete it to resume with the field options given as flags") from None
     if getattr(args, "broker_config", None):
         try:
             creds = json.loads(Path(args.broker_config).read_text())
@@ -72,8 +81,15 @@ def field_config(args: argparse.Namespace, out: Path, resume: bool):
             setattr(fc, dest, v)
     if not fc.run_id:
         fc.run_id = f"{out.name}-{uuid.uuid4().hex[:8]}"
-    if fc.deadline_s <= 0 or fc.heartbeat_timeout_s <= 0 or fc.chunk_bytes < 1:
-        raise UserError("--deadline, --heartbeat-timeout and --chunk-bytes must be > 0")
+    for flag, (dest, typ, _) in FIELD_OPTIONS.items():  # each value against its range, wherever it came from
+        v = getattr(fc, dest)
+        if dest in FIELD_LIMITS and v is not None:
+            where = f"from {flag}" if getattr(args, f"field.{dest}", None) is not None else f"in {saved}"
+            setattr(fc, dest, check_value(f"field.{dest}", v, typ, FIELD_LIMITS[dest], where, UserError))
+    try:
+        broker_address(fc.broker)  # a bad URL now, before the run directory is written
+    except AgentError as e:
+        raise UserError(f"--broker: {e}") from None
     return fc
 
 

@@ -27,7 +27,12 @@ def add_parser(sub) -> None:
 
 def run_import(args) -> int:
     from coordinator.availability.traces import import_fedscale
+    from edge_client.configfile import check_value
 
+    if args.horizon is not None:  # inf or nan would never end the unrolling; 0 or less would silently mean one period
+        check_value("--horizon", args.horizon, float, {"gt": 0}, "", UserError)
+    if args.max_devices is not None:  # 0 meant all devices, -1 all but the last
+        check_value("--max-devices", args.max_devices, int, {"minimum": 1}, "", UserError)
     n = import_fedscale(args.pickle, args.out, args.horizon, args.max_devices)
     print(f"wrote {n} devices to {args.out}")
     return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 from coordinator import config
 from coordinator.errors import UserError
 from coordinator.trial.run import DEFAULT_PROFILES, PROFILES, run_trial
+from edge_client.configfile import check_value
 
 
 def add_parser(sub) -> None:
@@ -43,6 +44,9 @@ def run(args) -> int:
 
     if args.agents < 1:
         raise UserError("--agents must be >= 1")
+    for flag, v, limits in (("--deadline", args.deadline, {"gt": 0}), ("--heartbeat", args.heartbeat, {"gt": 0}),
+                            ("--max-slowdown", args.max_slowdown, {"minimum": 0})):
+        check_value(f"trial.{flag[2:].replace('-', '_')}", v, float, limits, f"from {flag}", UserError)
     if getattr(args, "data.clients", None) not in (None, args.agents):
         raise UserError(f"--clients {getattr(args, 'data.clients')}: a trial has one client per agent (--agents)")
     setattr(args, "data.clients", args.agents)

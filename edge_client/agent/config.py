@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -38,6 +39,7 @@ from edge_client.configfile import fill_sections, read_config_file
 from edge_client.monitor import PolicyConfig
 
 TOPIC_ROOT = "dropfl/v1"
+DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # as provisioning/broker.py NAME_RE
 
 log = logging.getLogger("dropfl.agent")
 
@@ -51,23 +53,28 @@ class AgentError(Exception):
     """The agent cannot start; the message says what to fix."""
 
 
+def _f(default, **limits):
+    """A field with a range (`minimum`/`maximum` inclusive, `gt`/`lt` exclusive), checked by `fill_sections`."""
+    return field(default=default, metadata=limits)
+
+
 @dataclass
 class AgentSection:
-    client: int = 0                        # client index = data shard (0..clients-1)
+    client: int = _f(0, minimum=0)         # client index = data shard (0..clients-1)
     device_id: str | None = None           # broker username / topic id (default: client-<client>)
     broker: str = "mqtt://127.0.0.1:1883"     # mqtts://HOST:PORT = TLS, server checked against ca_file
     password: str | None = None                # broker password (username = device_id)
     ca_file: str | None = None                 # CA certificate for mqtts:// (relative to the config file)
-    heartbeat_s: float = 1.0
-    keepalive_s: int = 10
+    heartbeat_s: float = _f(1.0, gt=0)
+    keepalive_s: int = _f(10, minimum=0, maximum=65535)  # MQTT's keep-alive is 16 bits
     out: str | None = None                 # directory for trace.csv (default: agents/<device_id>)
-    threads: int = 1                       # torch threads for training
-    slowdown_s_per_step: float = 0.0       # emulate a slower device: extra seconds per SGD step
-    uplink_limit_Bps: float = 0.0          # emulate a slow uplink: pace the update's chunks to this rate (0: off)
+    threads: int = _f(1, minimum=1)        # torch threads for training
+    slowdown_s_per_step: float = _f(0.0, minimum=0)  # emulate a slower device: extra seconds per SGD step
+    uplink_limit_Bps: float = _f(0.0, minimum=0)     # emulate a slow uplink: pace the update's chunks (0: off)
     exit_when_done: bool = True            # exit when the coordinator announces the run finished
-    chunk_bytes: int = 256 * 1024
-    max_tensor_bytes: int = 256 * 1024 ** 2
-    publish_timeout_s: float = 60.0
+    chunk_bytes: int = _f(256 * 1024, minimum=1)
+    max_tensor_bytes: int = _f(256 * 1024 ** 2, minimum=1)
+    publish_timeout_s: float = _f(60.0, gt=0)
 
 
 @dataclass
@@ -75,16 +82,16 @@ class AgentData:
     dataset: str = "fmnist"
     data_dir: str | None = None
     partition: str = "shards"
-    clients: int = 30
-    shards_per_client: int = 2
-    dirichlet_alpha: float = 0.5
-    seed: int = 0
+    clients: int = _f(30, minimum=1)
+    shards_per_client: int = _f(2, minimum=1)
+    dirichlet_alpha: float = _f(0.5, gt=0)
+    seed: int = _f(0, minimum=0, maximum=2 ** 64 - 1)
 
 
 @dataclass
 class AgentModel:
     model: str = "mimic-cnn"
-    dropout: float | None = None
+    dropout: float | None = _f(None, minimum=0, lt=1)
 
 
 @dataclass
@@ -109,8 +116,11 @@ def config_from_dict(d: dict) -> AgentConfig:
     cfg = AgentConfig(**parts)
     if not (0 <= cfg.agent.client < cfg.data.clients):
         raise AgentError(f"agent config: client {cfg.agent.client} outside 0..{cfg.data.clients - 1}")
-    if cfg.agent.heartbeat_s <= 0:
-        raise AgentError("agent config: heartbeat_s must be > 0")
+    if cfg.agent.device_id is not None and not DEVICE_ID_RE.match(cfg.agent.device_id):
+        raise AgentError(f"agent config: agent.device_id {cfg.agent.device_id!r} must be 1-64 letters, digits, "
+                         f"'-' or '_', starting with a letter or digit (it is the MQTT username, a topic level "
+                         f"and a directory name); use the name given to `dropfl provision add-device`")
+    broker_address(cfg.agent.broker)  # a bad URL now, not when connecting
     return cfg
 
 
@@ -123,7 +133,12 @@ def load_config(path: str) -> AgentConfig:
 
 
 def broker_address(url: str) -> tuple[str, int]:
-    u = urlparse(url if "://" in url else "mqtt://" + url)
-    if u.scheme not in ("mqtt", "tcp", "mqtts") or not u.hostname:
-        raise AgentError(f"broker {url!r}: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
-    return u.hostname, u.port or (8883 if u.scheme == "mqtts" else 1883)
+    expected = f"broker {url!r}: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]"
+    try:
+        u = urlparse(url if "://" in url else "mqtt://" + url)
+        host, port = u.hostname, u.port  # .port raises ValueError for a port that is not 0..65535
+    except ValueError:
+        raise AgentError(f"{expected}, with PORT in 1..65535") from None
+    if u.scheme not in ("mqtt", "tcp", "mqtts") or not host:
+        raise AgentError(expected)
+    return host, port or (8883 if u.scheme == "mqtts" else 1883)
