@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import asdict, dataclass, field
 
 from coordinator.errors import UserError
-from edge_client.configfile import check_value, field_types, fill_sections, read_config_file
+from edge_client.configfile import check_value, field_types, fill_sections, read_config_file, show
+
+log = logging.getLogger("dropfl.config")
 
 # edge_client/trainer.py seeds each client's round with torch.Generator.manual_seed(
 # (seed·1_000_003 + round)·1_000_033 + client), which must fit in 64 bits (at most 2**64 − 1); numpy's
@@ -59,10 +62,13 @@ def opt(default, help: str, choices=None, flag: str | None = None, *, minimum=No
 class DataConfig:
     dataset: str = opt("fmnist", "dataset", ["fmnist", "mnist", "cifar10"])
     data_dir: str | None = opt(None, "directory with the dataset files (required for cifar10)")
-    partition: str = opt("shards", "non-IID partitioner",
-                         ["iid", "shards", "fdms-clustered", "fdms-general", "one-label", "dirichlet"])
+    partition: str = opt("shards", "non-IID partitioner (shards-distinct: shards, no two of one class per client; "
+                                   "fdms-clustered-80-20: fdms-clustered, each client trains on 80%% of its samples "
+                                   "as the FL-FDMS code)",
+                         ["iid", "shards", "shards-distinct", "fdms-clustered", "fdms-clustered-80-20",
+                          "fdms-general", "one-label", "dirichlet"])
     clients: int = opt(30, "number of clients N", minimum=1)
-    shards_per_client: int = opt(2, "shards per client (partition=shards)", minimum=1)
+    shards_per_client: int = opt(2, "shards per client (partition=shards, shards-distinct)", minimum=1)
     dirichlet_alpha: float = opt(0.5, "concentration α (partition=dirichlet)", gt=0)
 
 
@@ -77,8 +83,13 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     lr: float = opt(0.01, "local learning rate at round 0", gt=0)
-    lr_decay: float = opt(1.0, "per-round decay γ: lr_t = max(lr·γ^t, lr_min) (MimiC FMNIST: 0.95)", gt=0, maximum=1)
+    lr_decay: float = opt(1.0, "decay γ: lr_t = max(lr·γ^t, lr_min) (MimiC FMNIST: 0.95); with --lr-schedule step "
+                               "lr·γ^floor(t/k)", gt=0, maximum=1)
     lr_min: float = opt(1e-5, "learning-rate floor", minimum=0)
+    lr_schedule: str = opt("exp", "local lr schedule: exp = max(lr·γ^t, lr_min) (MimiC code), inv-t = lr/(t+1) "
+                                  "(MIFA code), step = lr·γ^floor(t/k), k = --lr-step-every",
+                           ["exp", "inv-t", "step"])
+    lr_step_every: int = opt(1, "--lr-schedule step: k, rounds between two decays", minimum=1)
     batch_size: int = opt(16, "local mini-batch size B", minimum=1)
     epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)", minimum=0)
     steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)", minimum=1)
@@ -104,7 +115,8 @@ class AvailabilityConfig:
     p: float = opt(0.1, "static: active probability p in (0, 1]", gt=0, maximum=1)
     p_levels: int = opt(1, "static: 1 = identical p (paper), 5 = the code's five levels", [1, 5])
     fraction: float = opt(0.3, "timevarying: fraction P of clients active per round", gt=0, maximum=1)
-    period: int = opt(100, "diurnal: half-period E in rounds", minimum=1)
+    half_period: int = opt(100, "diurnal: half-period E in rounds (E rounds day, E rounds night; the old "
+                                "--period / key period still work, deprecated)", minimum=1)
     diurnal_d: int = opt(1, "diurnal: D, clients of digits 0..D-1 form the day group", minimum=0, maximum=10)
     alpha: float = opt(0.5, "cluster-dropout: dropout ratio α in [0, 1)", minimum=0, lt=1)
     min_active: int = opt(0, "if fewer clients are available, draw this many uniformly "
@@ -123,6 +135,10 @@ class AvailabilityConfig:
 class StrategyConfig:
     algo: str = opt("fedavg", "aggregation strategy")
     weighting: str = opt("uniform", "fedavg: client weights", ["uniform", "samples"])
+    fedavg_k: int | None = opt(None, "fedavg, fedprox: select K clients uniformly at random among the available "
+                                     "ones (FedLaAvg's baselines: K = βN; default: every available client, as "
+                                     "MimiC and FL-FDMS)",
+                               minimum=1)
     mu: float = opt(0.001, "fedprox: proximal coefficient μ", minimum=0)
     feddd_d_max: float = opt(0.8, "feddd: maximal dropout rate D_max", minimum=0, maximum=1)
     feddd_a_server: float = opt(0.6, "feddd, fedcs: upload budget A_server, the fraction of all clients' "
@@ -143,8 +159,13 @@ class StrategyConfig:
     mifa_round_weights: bool = opt(True, "mifa: weights round(1/N, 4) as the released code (--no-... : exact 1/N); "
                                          "exact 1/N with a warning where N·round(1/N, 4) is more than 1%% off 1 "
                                          "(N > 200 at worst, e.g. 0 for N > 20000)")
+    mifa_wait_all: bool = opt(False, "mifa: no model update until every client has uploaded once (MIFA's code); "
+                                     "a no-op when round 0 has everyone (--first-round-all)")
     beta: float = opt(0.1, "fedlaavg: fraction β of clients selected per round, K = βN (oldest first)",
                       gt=0, maximum=1)
+    fedlaavg_storage: str = opt("raw", "fedlaavg: stored latest updates, raw = deltas (same as the paper's constant "
+                                       "lr), lr-normalised = delta/lr and the current lr applied to the average "
+                                       "(the released code)", ["raw", "lr-normalised"])
     fdms_cr: str = opt("off", "fdms: complexity reduction, case1 = Θt, case2 = 0.5·Θt", ["off", "case1", "case2"])
     stale_variant: str = opt("weights", "stale: weights = last local models (FL-FDMS code), "
                                         "update = last updates (paper text)", ["weights", "update"])
@@ -186,6 +207,11 @@ class SimConfig:
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(SimConfig)}
 
+# Renamed options, (section, old name) → new name. The old flag (--period) and the old config-file key
+# ([availability] period) still work: each logs a deprecation warning (logger "dropfl.config") naming the value
+# used, and gives the same config as the new name. Giving both, with different values, is refused.
+RENAMED: dict[tuple[str, str], str] = {("availability", "period"): "half_period"}
+
 
 def flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
@@ -208,6 +234,57 @@ def add_arguments(parser: argparse.ArgumentParser, algos: list[str]) -> None:
             if choices:
                 kw["help"] += f"; one of: {', '.join(map(str, choices))}"
             group.add_argument(flag(f), **kw)
+        for (sec, old), new in RENAMED.items():
+            if sec == section:
+                f = _field(section, new)
+                group.add_argument(_old_flag(old), dest=f"{section}.{old}", default=None, type=_parse_type(f.type),
+                                   metavar=new.upper(), help=f"deprecated name of {flag(f)}")
+
+
+def _field(section: str, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(SECTIONS[section]()) if f.name == name)
+
+
+def _old_flag(old: str) -> str:
+    return "--" + old.replace("_", "-")
+
+
+def upgrade_renamed(file: dict, source: str | None = None, warn: bool = True) -> dict:
+    """A config file's sections with every renamed key (`RENAMED`) under its new name, and one deprecation
+    warning per old key (`warn`). Both names with different values: UserError."""
+    for (section, old), new in RENAMED.items():
+        values = file.get(section)
+        if not isinstance(values, dict) or old not in values:
+            continue
+        where = f" in {source}" if source else ""
+        if new in values and values[new] != values[old]:
+            raise UserError(f"{section}.{old}{where} is the deprecated name of {section}.{new}, and the two differ "
+                            f"({show(values[old])} and {show(values[new])}); give only {section}.{new}")
+        values = dict(values)
+        v = values.pop(old)
+        values[new] = v
+        file = {**file, section: values}
+        if warn:
+            log.warning("%s.%s%s is deprecated, use %s.%s (the value %s is used)", section, old, where, section,
+                        new, show(v))
+    return file
+
+
+def _renamed_flags(args: argparse.Namespace) -> dict[str, tuple[object, str]]:
+    """{"section.new": (value, old flag)} for every deprecated flag given, with its warning."""
+    out = {}
+    for (section, old), new in RENAMED.items():
+        v = getattr(args, f"{section}.{old}", None)
+        if v is None:
+            continue
+        new_flag = flag(_field(section, new))
+        given = getattr(args, f"{section}.{new}", None)
+        if given is not None and given != v:
+            raise UserError(f"{_old_flag(old)} is the deprecated name of {new_flag}, and the two differ ({v} and "
+                            f"{given}); give only {new_flag}")
+        log.warning("%s is deprecated, use %s (the value %s is used)", _old_flag(old), new_flag, show(v))
+        out[f"{section}.{new}"] = (v, _old_flag(old))
+    return out
 
 
 def _parse_type(t):
@@ -225,15 +302,18 @@ def load_file(path: str) -> dict:
 
 def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
     path = getattr(args, "config", None)
-    file = load_file(path) if path else {}
+    file = upgrade_renamed(load_file(path), path) if path else {}
     parts = fill_sections(SECTIONS, file, UserError, source=path)  # checks the file's values
     sources = {f"{section}.{k}": f"in {path}" for section, values in file.items() for k in values}
+    renamed = _renamed_flags(args)
     for section, obj in parts.items():
         for f in dataclasses.fields(obj):
-            v = getattr(args, f"{section}.{f.name}", None)
+            v, name = getattr(args, f"{section}.{f.name}", None), flag(f)
+            if v is None and f"{section}.{f.name}" in renamed:
+                v, name = renamed[f"{section}.{f.name}"]
             if v is not None:
                 setattr(obj, f.name, v)
-                sources[f"{section}.{f.name}"] = f"from {flag(f)}"
+                sources[f"{section}.{f.name}"] = f"from {name}"
     cfg = SimConfig(**parts)
     validate(cfg, algos, sources)
     return cfg

@@ -78,7 +78,7 @@ def label_digest(ds: datasets.Dataset) -> str:
 
 def partition_kwargs(b: DataBinding) -> dict:
     """The partitioner's own options among the binding's."""
-    if b.partition == "shards":
+    if b.partition in ("shards", "shards-distinct"):
         return {"shards_per_client": b.shards_per_client}
     if b.partition == "dirichlet":
         return {"alpha": b.dirichlet_alpha}

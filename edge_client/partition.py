@@ -1,8 +1,12 @@
 """Seeded non-IID partitioners from the papers. Each returns a list of index arrays, one per client.
 
 - `shards`           MimiC: sort by label, cut into shards (60 × 1000 on FMNIST), 2 random shards per client.
+- `shards_distinct`  the same shards, but no client gets two shards of one class (MimiC's code: two distinct
+                     classes per client).
 - `fdms_clustered`   FL-FDMS: clusters of consecutive clients, disjoint label pairs per cluster,
                      `per_label` samples of each of the cluster's labels per client, without replacement.
+                     `fdms-clustered-80-20`: the same, and each client trains on 80 % of each of its labels (the
+                     FL-FDMS code's 80/20 per-client split: 160 of 200 MNIST samples).
 - `fdms_general`     FL-FDMS general: sort by label, 200 partitions of 250, 2 per client (a `shards` setting).
 - `one_label`        FedLaAvg: N/10 clients per digit, each digit's images split with proportions
                      5 + N(0, 1) clamped to [3, 7] and normalised (roughly Normal sizes).
@@ -44,16 +48,72 @@ def shards(labels: np.ndarray, n_clients: int, seed: int, shards_per_client: int
             for c in range(n_clients)]
 
 
+def shards_distinct(labels: np.ndarray, n_clients: int, seed: int, shards_per_client: int = 2,
+                    n_shards: int | None = None, shard_size: int | None = None,
+                    tries: int = 1000) -> list[np.ndarray]:
+    """`shards` (same shards, same defaults) with no two shards of one class on a client. A shard's class is
+    its majority label (ties: the lower label); with whole-class shards (FMNIST: 60 × 1000) it is its only one.
+
+    Deterministic by seed. The draw: random permutations, as `shards`, until one gives every client
+    `shards_per_client` distinct classes (at most `tries`): this is the uniform distribution over the valid
+    assignments (FMNIST, 30 clients × 2: about 1 permutation in 14 is valid). If none is found, a direct
+    construction that always succeeds when any assignment exists: shards taken in random order (skipping a
+    class once it has N shards), grouped by class in a random class order, and dealt round-robin to a random
+    order of the clients (position p goes to client p mod N; a class has at most N consecutive positions)."""
+    n_shards = n_clients * shards_per_client if n_shards is None else n_shards
+    shard_size = len(labels) // n_shards if shard_size is None else shard_size
+    if n_clients * shards_per_client > n_shards:
+        raise PartitionError(f"--clients: {n_clients} clients × {shards_per_client} shards exceed {n_shards} shards")
+    if shard_size < 1 or shard_size * n_shards > len(labels):
+        raise PartitionError(f"--partition: {n_shards} shards of {shard_size} do not fit {len(labels)} samples")
+    rng = np.random.default_rng(seed)
+    order = np.argsort(labels, kind="stable")[: n_shards * shard_size].reshape(n_shards, shard_size)
+    shard_class = np.array([np.bincount(labels[s]).argmax() for s in order])  # majority label of each shard
+    need = n_clients * shards_per_client
+    for _ in range(tries):
+        pick = rng.permutation(n_shards)[:need].reshape(n_clients, shards_per_client)
+        cls = np.sort(shard_class[pick], axis=1)
+        if shards_per_client == 1 or (cls[:, 1:] != cls[:, :-1]).all():
+            return [np.sort(order[row].ravel()) for row in pick]
+    # direct construction: at most n_clients shards of any class, grouped by class, dealt round-robin
+    taken, count = [], {}
+    for s in rng.permutation(n_shards):
+        c = int(shard_class[s])
+        if count.get(c, 0) < n_clients and len(taken) < need:
+            taken.append(s)
+            count[c] = count.get(c, 0) + 1
+    if len(taken) < need:
+        raise PartitionError(f"--partition shards-distinct: {len(count)} classes cannot give {n_clients} clients "
+                             f"{shards_per_client} shards of distinct classes each")
+    rank = {c: r for r, c in enumerate(rng.permutation(sorted(count)))}
+    taken.sort(key=lambda s: rank[int(shard_class[s])])  # stable: the random order within a class stays
+    clients = rng.permutation(n_clients)
+    mine: list[list[int]] = [[] for _ in range(n_clients)]
+    for pos, s in enumerate(taken):
+        mine[clients[pos % n_clients]].append(s)
+    return [np.sort(order[m].ravel()) for m in mine]
+
+
 def fdms_general(labels: np.ndarray, n_clients: int, seed: int) -> list[np.ndarray]:
     """FL-FDMS general setting: label-sorted list cut into 200 partitions of 250, 2 per client."""
     return shards(labels, n_clients, seed, shards_per_client=2, n_shards=200, shard_size=250)
 
 
 def fdms_clustered(labels: np.ndarray, n_clients: int, seed: int, n_clusters: int = 5,
-                   labels_per_cluster: int = 2, per_label: int = 100) -> list[np.ndarray]:
+                   labels_per_cluster: int = 2, per_label: int = 100,
+                   train_fraction: float = 1.0) -> list[np.ndarray]:
     """FL-FDMS clustered setting: clients {0..3} form cluster 0, {4..7} cluster 1, ...; clusters get
     disjoint label sets drawn without replacement; each client takes `per_label` samples of each of its
-    cluster's labels, without replacement across clients (MNIST: 2 × 100 = 200 samples per client)."""
+    cluster's labels, without replacement across clients (MNIST: 2 × 100 = 200 samples per client).
+
+    `train_fraction` < 1: each client keeps only the first int(train_fraction · per_label) of its (randomly
+    drawn) samples of each label to train on; the rest are drawn all the same (the other clients get the
+    same samples as with 1.0) and left unused. The FL-FDMS code trains on the first 80 % of each client's
+    samples and holds out 20 % (fdms.md §4.2, 80/10/10, the 20 % unused for the reported metric); per label,
+    so every client trains on 80 + 80 MNIST samples (`fdms-clustered-80-20`)."""
+    if not 0 < train_fraction <= 1:
+        raise PartitionError(f"--partition fdms-clustered: train fraction must be in (0, 1] (got {train_fraction})")
+    keep = max(1, int(train_fraction * per_label))
     classes = np.unique(labels)
     if n_clusters * labels_per_cluster > len(classes):
         raise PartitionError(f"--partition fdms-clustered: {n_clusters} clusters × {labels_per_cluster} "
@@ -71,7 +131,7 @@ def fdms_clustered(labels: np.ndarray, n_clients: int, seed: int, n_clusters: in
             pool = pools[int(lab)]
             if len(pool) < per_label:
                 raise PartitionError(f"--partition fdms-clustered: not enough samples of label {lab}")
-            mine.extend(pool[:per_label])
+            mine.extend(pool[:keep])  # the first `keep` of this client's per_label samples (all when 1.0)
             del pool[:per_label]
         out.append(np.sort(np.array(mine)))
     return out
@@ -117,8 +177,14 @@ def dirichlet(labels: np.ndarray, n_clients: int, seed: int, alpha: float = 0.5,
     raise PartitionError(f"--dirichlet-alpha {alpha}: could not give every client {min_size} samples")
 
 
-PARTITIONERS = {"iid": iid, "shards": shards, "fdms-clustered": fdms_clustered,
-                "fdms-general": fdms_general, "one-label": one_label, "dirichlet": dirichlet}
+def fdms_clustered_80_20(labels: np.ndarray, n_clients: int, seed: int) -> list[np.ndarray]:
+    """`fdms_clustered` with the FL-FDMS code's per-client 80/20 train/held-out split (train_fraction 0.8)."""
+    return fdms_clustered(labels, n_clients, seed, train_fraction=0.8)
+
+
+PARTITIONERS = {"iid": iid, "shards": shards, "shards-distinct": shards_distinct, "fdms-clustered": fdms_clustered,
+                "fdms-clustered-80-20": fdms_clustered_80_20, "fdms-general": fdms_general, "one-label": one_label,
+                "dirichlet": dirichlet}
 
 
 def partition(name: str, labels: np.ndarray, n_clients: int, seed: int, **kw) -> list[np.ndarray]:

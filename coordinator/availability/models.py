@@ -129,23 +129,27 @@ class TimeVarying(Availability):
 
 class Diurnal(Availability):
     """FedLaAvg's day/night pattern (code `diurnal_available`): the first N/10·D clients (those holding
-    digits 0..D−1 under the one-label partition) are available iff t mod 2E < E, the rest otherwise."""
+    digits 0..D−1 under the one-label partition) are available iff t mod 2E < E, the rest otherwise.
+    E is the half-period (`half_period`, --half-period): each group is available E rounds, then away E rounds.
+    `period` is its former name, still accepted."""
 
     name = "diurnal"
     reason = "offline"
 
-    def __init__(self, n_clients, seed=0, period: int = 100, groups_d: int = 1, **kw):
+    def __init__(self, n_clients, seed=0, half_period: int = 100, groups_d: int = 1, *, period: int | None = None,
+                 **kw):
         kw.setdefault("first_round_all", False)
         super().__init__(n_clients, seed, **kw)
-        if period < 1:
-            raise UserError(f"--period must be >= 1 (got {period})")
+        half_period = half_period if period is None else period
+        if half_period < 1:
+            raise UserError(f"--half-period must be >= 1 (got {half_period})")
         if not (0 <= groups_d <= 10):
             raise UserError(f"--diurnal-d must be in 0..10 (got {groups_d})")
-        self.period = period
+        self.half_period = half_period
         self.group0 = np.arange(n_clients) < n_clients // 10 * groups_d
 
     def _draw(self, t, rng):
-        return self.group0 == ((t % (2 * self.period)) < self.period)
+        return self.group0 == ((t % (2 * self.half_period)) < self.half_period)
 
 
 class ClusterDropout(Availability):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -40,30 +42,52 @@ class FedLaAvg(Strategy):
 
     Args:
         beta: proportion β of clients selected per round, K = max(1, round(β N)) (paper default 0.1).
+        storage: what the latest-update table holds, a paper-versus-code choice that matters only when the
+            local lr changes between rounds (fedlaavg.md §2.2: the paper's runs use a constant γ = 0.01, where
+            both are the same numbers):
+            "raw" (default; dropfl's rule since the start): u_i = the delta d_i, and line 10 applies w ← w − u.
+            "lr-normalised" (the released code, `train/server.py`: clients upload gradient sums, the server
+            keeps their running average and steps `lr(current_round) · average`): u_i = d_i / η_i, with η_i the
+            lr client i trained with, and line 10 applies w ← w − η_t u, η_t the lr of the current round, also
+            in a round without uploads. Needs the run's schedule (`lr_at`, or `bind_lr_schedule`); without
+            one, η_t is the lr of this round's updates, or the last round's when none arrived.
+        lr_at: the run's local lr schedule t → η_t (`coordinator/strategies/schedule.py`), for "lr-normalised";
+            `runsetup.build_strategy` binds the loop's.
 
     State: "latest" float32 [N, M] (row i = u_i, the delta each client keeps locally in the paper; held
     here because simulated clients are stateless), "avg" float32 [M] (u^r, the server's running average,
-    invariant (3): avg = mean of latest), "last" int64 [N] (R_i).
+    invariant (3): avg = mean of latest), "last" int64 [N] (R_i); with "lr-normalised" also "lr" float64 [1]
+    (the last η_t applied, the fallback above).
     """
 
     name = "fedlaavg"
+    STORAGES = ("raw", "lr-normalised")
 
-    def __init__(self, *, beta: float = 0.1):
+    def __init__(self, *, beta: float = 0.1, storage: str = "raw", lr_at: Callable[[int], float] | None = None):
         if not 0 < beta <= 1:
             raise ValueError(f"beta must be in (0, 1] (got {beta})")
-        self.beta = beta
+        if storage not in self.STORAGES:
+            raise ValueError(f"storage must be one of {', '.join(self.STORAGES)} (got {storage!r})")
+        self.beta, self.storage, self.lr_at = beta, storage, lr_at
 
     @classmethod
     def from_config(cls, s) -> FedLaAvg:
-        return cls(beta=s.beta)
+        return cls(beta=s.beta, storage=s.fedlaavg_storage)
+
+    def bind_lr_schedule(self, lr_at: Callable[[int], float]) -> None:
+        """The run's local lr schedule (the loop's `lr_at`): the lr applied to the average in "lr-normalised"."""
+        self.lr_at = lr_at
 
     def k(self, n_clients: int) -> int:
         return max(1, round(self.beta * n_clients))  # K = βN
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
-        return {"latest": torch.zeros(n_clients, w0.numel(), dtype=torch.float32),  # u_i^0 = 0
-                "avg": torch.zeros(w0.numel(), dtype=torch.float32),                # u^0 = 0
-                "last": torch.full((n_clients,), -1, dtype=torch.int64)}            # R_i^0 (never)
+        state = {"latest": torch.zeros(n_clients, w0.numel(), dtype=torch.float32),  # u_i^0 = 0
+                 "avg": torch.zeros(w0.numel(), dtype=torch.float32),                # u^0 = 0
+                 "last": torch.full((n_clients,), -1, dtype=torch.int64)}            # R_i^0 (never)
+        if self.storage == "lr-normalised":
+            state["lr"] = torch.zeros(1, dtype=torch.float64)  # the last η_t applied (0: none yet)
+        return state
 
     def select(self, state: State, t: int, available: np.ndarray, rng: np.random.Generator) -> list[int]:
         avail = [int(i) for i in np.flatnonzero(available)]
@@ -75,9 +99,25 @@ class FedLaAvg(Strategy):
                   updates: dict[int, ClientUpdate]) -> tuple[torch.Tensor, State]:
         latest, avg, last = state["latest"], state["avg"], state["last"]
         n = latest.shape[0]
+        normalised = self.storage == "lr-normalised"
         for i in sorted(updates):
-            d = updates[i].delta
+            u = updates[i]
+            d = u.delta / u.lr if normalised else u.delta  # code: the client's gradient sum d_i/η_i; else d_i
             avg += (d - latest[i]) / n  # FedLaAvg lines 8–9: u^r += (1/N)(u_i^r − u_i^{R_i})
             latest[i] = d               # the client's stored latest update
             last[i] = t                 # FedLaAvg line 7: R_i ← r
-        return w - avg, state           # FedLaAvg line 10: x^r = x^{r−1} + u^r (delta units: w − avg)
+        if not normalised:
+            return w - avg, state       # FedLaAvg line 10: x^r = x^{r−1} + u^r (delta units: w − avg)
+        lr = self._lr(state, t, updates)
+        return w - lr * avg, state      # line 10, released code: x ← x − lr(current_round) · average gradient sum
+
+    def _lr(self, state: State, t: int, updates: dict[int, ClientUpdate]) -> float:
+        """η_t for "lr-normalised": the bound schedule's; else this round's updates' lr; else the last one."""
+        if self.lr_at is not None:
+            lr = float(self.lr_at(t))
+        elif updates:
+            lr = float(next(iter(updates.values())).lr)
+        else:
+            lr = float(state["lr"][0])
+        state["lr"][0] = lr
+        return lr

@@ -19,20 +19,21 @@ class FedProx(FedAvg):
         mu: proximal coefficient μ. MimiC does not report it; 0.001 (default) is NIID-Bench's default,
             the code base MimiC's experiments were built on (mimic.md §3). FedLaAvg used 1.0 (MNIST),
             FL-FDMS 0.2.
-        weighting, server_lr: as `FedAvg`.
+        weighting, server_lr, k: as `FedAvg` (k: FedLaAvg's FedProx baseline selects K at random too).
     """
 
     name = "fedprox"
 
-    def __init__(self, *, mu: float = 0.001, weighting: str = "uniform", server_lr: float = 1.0):
-        super().__init__(weighting=weighting, server_lr=server_lr)
+    def __init__(self, *, mu: float = 0.001, weighting: str = "uniform", server_lr: float = 1.0,
+                 k: int | None = None):
+        super().__init__(weighting=weighting, server_lr=server_lr, k=k)
         if mu < 0:
             raise ValueError(f"mu must be >= 0 (got {mu})")
         self.mu = mu
 
     @classmethod
     def from_config(cls, s) -> FedProx:
-        return cls(mu=s.mu, weighting=s.weighting, server_lr=s.server_lr)
+        return cls(mu=s.mu, weighting=s.weighting, server_lr=s.server_lr, k=s.fedavg_k)
 
     def configure(self, state: State, t: int, task: TrainTask) -> TrainTask:
         return dataclasses.replace(task, prox_mu=self.mu)  # local loss F_i(w) + (μ/2)‖w − w_t‖²

@@ -39,26 +39,36 @@ class MIFA(Strategy):
             rounding is meaningless (|N·round(1/N, 4) − 1| > ROUND_WEIGHTS_REL_TOL = 1%, e.g. N ≥ 20 001
             where it is 0) the exact 1/N is used and a warning is logged once ("dropfl.strategy").
         global_lr, global_lr_decay: units="gradient" only, as in `MimiC`.
+        wait_all: False (default; MimiC's MIFA, and a no-op whenever round 0 has everyone, --first-round-all)
+            or True, MIFA's own code and Algorithm 1's "every device participates in the first round": the
+            updates are stored, but the model is not updated (w_{t+1} = w_t) until every client has uploaded at
+            least once; from the round in which the last first upload arrives the rule above runs every round.
+            The waiting rounds count as rounds (the lr schedule, e.g. MIFA's lr_0/(t+1), advances through them).
 
     State: "latest", float32 [N, M], row i = G_i. Updated in place (a sim with N = 10 000 clients of a
-    7,850-parameter model holds 314 MB here, and nothing else of that size).
+    7,850-parameter model holds 314 MB here, and nothing else of that size). With wait_all also "seen", bool
+    [N]: which clients have uploaded at least once.
     """
 
     name = "mifa"
 
     def __init__(self, *, units: str = "delta", round_weights: bool = True, global_lr: float = 0.01,
-                 global_lr_decay: float = 0.95):
+                 global_lr_decay: float = 0.95, wait_all: bool = False):
         self.units = check_units(units)
         self.round_weights, self.global_lr, self.global_lr_decay = round_weights, global_lr, global_lr_decay
+        self.wait_all = wait_all
         self._warned = False  # the fallback warning is logged once per instance
 
     @classmethod
     def from_config(cls, s) -> MIFA:
         return cls(units=s.units, round_weights=s.mifa_round_weights, global_lr=s.global_lr,
-                   global_lr_decay=s.global_lr_decay)
+                   global_lr_decay=s.global_lr_decay, wait_all=s.mifa_wait_all)
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
-        return {"latest": torch.zeros(n_clients, w0.numel(), dtype=torch.float32)}
+        state = {"latest": torch.zeros(n_clients, w0.numel(), dtype=torch.float32)}
+        if self.wait_all:
+            state["seen"] = torch.zeros(n_clients, dtype=torch.bool)
+        return state
 
     def weight(self, n: int) -> float:
         """Per-client weight: code round(1/N, 4) (mimic.md §3) while it stays within 1% of the paper's 1/N."""
@@ -79,6 +89,11 @@ class MIFA(Strategy):
         latest = state["latest"]
         for i, u in updates.items():
             latest[i] = raw_update(u, self.units)  # MIFA: G_i ← ĝ_i(w_t) for i ∈ S_t, kept otherwise
+        if self.wait_all:
+            seen = state["seen"]
+            seen[list(updates)] = True
+            if not bool(seen.all()):
+                return w, state  # MIFA code: no update until every device has taken part once
         v = latest.sum(0) * self.weight(latest.shape[0])  # MIFA: v_t = (1/N) Σ_{i=1}^N G_i
         step = global_step(self.units, t, 1.0, self.global_lr, self.global_lr_decay)
         return w - step * v, state  # w_{t+1} = w_t − η_t v_t

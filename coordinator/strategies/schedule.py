@@ -1,0 +1,30 @@
+"""The local learning-rate schedules of the seed papers' runs, one pure function (`lr_at`).
+
+The round loop sends lr_t with every task (`LoopConfig.lr_at`), and a strategy that applies the current lr
+on the server (FedLaAvg with lr-normalised storage) is bound to the same function, so both always agree.
+
+    exp    lr_t = max(lr·γ^t, lr_min)            (γ < 1; γ = 1: lr_t = lr)   MimiC released code (γ = 0.95)
+    inv-t  lr_t = max(lr/(t + 1), lr_min)                                     MIFA released code
+    step   lr_t = max(lr·γ^⌊t/k⌋, lr_min)        (γ < 1; γ = 1: lr_t = lr)   step decay every k rounds
+
+t is the 0-based round. `exp` is `step` with k = 1. Floor: `lr_min` (1e-5 by default, the MimiC code's;
+`--lr-min 0` removes it).
+"""
+
+from __future__ import annotations
+
+SCHEDULES = ("exp", "inv-t", "step")
+
+
+def lr_at(t: int, lr: float, *, schedule: str = "exp", decay: float = 1.0, lr_min: float = 1e-5,
+          step_every: int = 1) -> float:
+    """The local learning rate of round t (0-based) under `schedule` (module docstring)."""
+    if schedule == "exp":
+        return max(lr * decay ** t, lr_min) if decay < 1 else lr  # MimiC code: max(0.01·0.95^t, 1e-5)
+    if schedule == "inv-t":
+        return max(lr / (t + 1), lr_min)  # MIFA code: lr_0/(t + 1)
+    if schedule == "step":
+        if step_every < 1:
+            raise ValueError(f"step_every must be >= 1 (got {step_every})")
+        return max(lr * decay ** (t // step_every), lr_min) if decay < 1 else lr  # lr·γ^⌊t/k⌋
+    raise ValueError(f"unknown lr schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
