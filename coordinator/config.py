@@ -123,6 +123,12 @@ class AvailabilityConfig:
                              "(MimiC released code: 2)", minimum=0)
     first_round_all: bool = opt(True, "all clients available in round 0 (MimiC, FDMS)")
     trace: str | None = opt(None, "replay: participation log (participation.csv of a run)")
+    replay_selection: str = opt("auto", "replay: whose selection to replay. log = the recorded selection and its "
+                                        "after-selection drops (the same experiment, exact); strategy = the "
+                                        "strategy selects among the recorded available clients, and clients that "
+                                        "dropped in the log count as unavailable (compare algorithms on recorded "
+                                        "availability); auto = log when the trace's run used the same --algo "
+                                        "(its config.json), else strategy", ["auto", "log", "strategy"])
     device_trace: str | None = opt(None, "device-trace: device time series CSV (docs/traces.md)")
     round_seconds: float = opt(60.0, "device-trace: virtual seconds per round", gt=0)
     start_seconds: float = opt(0.0, "device-trace: trace time of round 0")

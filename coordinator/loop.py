@@ -9,10 +9,16 @@
         log participation, metrics, checkpoint
 
 Nothing in here knows whether clients are simulated or real.
+
+A replayed participation log (`--availability replay`) answers with a `LoggedRound`, which also holds
+the recorded selection and the recorded after-selection drops. The loop then still calls
+`strategy.select` exactly as the recorded run did, but trains and aggregates the recorded selection,
+and drops the recorded dropouts after the transport, with their reasons (docs/traces.md, exact replay).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -26,7 +32,10 @@ import torch
 from coordinator.availability.models import RoundAvailability
 from coordinator.rundir import RunDir
 from coordinator.strategies.base import ClientUpdate, Strategy
+from coordinator.strategies.schedule import lr_at
 from edge_client.trainer import TrainTask
+
+log = logging.getLogger("dropfl.replay")
 
 
 class Transport(Protocol):
@@ -53,10 +62,14 @@ class LoopConfig:
     steps: int | None = None
     eval_every: int = 1
     checkpoint_every: int = 1
+    lr_schedule: str = "exp"
+    lr_step_every: int = 1
 
     def lr_at(self, t: int) -> float:
-        """lr_t = max(lr · γ^t, lr_min) (MimiC released code; γ = 1 keeps it constant)."""
-        return max(self.lr * self.lr_decay ** t, self.lr_min) if self.lr_decay < 1 else self.lr
+        """lr_t under `lr_schedule` (coordinator/strategies/schedule.py): exp = max(lr · γ^t, lr_min), the
+        MimiC released code (γ = 1 keeps it constant); inv-t = lr/(t+1), MIFA's; step = lr · γ^⌊t/k⌋."""
+        return lr_at(t, self.lr, schedule=self.lr_schedule, decay=self.lr_decay, lr_min=self.lr_min,
+                     step_every=self.lr_step_every)
 
 
 def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySource, transport: Transport,
@@ -75,16 +88,25 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
     metrics = rundir.metrics_writer(resume_from_round=start if resume else None)
     bar = _progress(cfg.rounds, start, progress)
     t0 = time.perf_counter()
+    differs: list[int] = []  # replay: rounds where the strategy would have selected other clients than the log
     for t in range(start, cfg.rounds):
         tick = time.perf_counter()
         avail = availability.round(t)
         rng = np.random.default_rng([cfg.seed, t, 0x5E1])
         selected = strategy.select(state, t, avail.available, rng)
+        logged = getattr(avail, "selected", None)  # a replayed log: the recorded selection
+        if logged is not None and set(selected) != set(logged):
+            _selection_differs(strategy, t, selected, logged, differs)
+            selected = list(logged)
         lr = cfg.lr_at(t)
         tasks = [strategy.configure(state, t, TrainTask(client=i, round=t, lr=lr, batch_size=cfg.batch_size,
                                                         epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed))
                  for i in selected]
         updates, dropped = transport.run_round(t, w, tasks)
+        drops = getattr(avail, "drops", None)  # a replayed log: dropped after selection, with the reason
+        if drops:
+            updates = {i: u for i, u in updates.items() if i not in drops}
+            dropped = {**dropped, **drops}  # drops ⊆ the recorded selection = selected
         w, state = strategy.aggregate(state, t, w, updates)
         if not torch.isfinite(w).all():
             raise FloatingPointError(f"round {t}: the global model is no longer finite (lr too high?)")
@@ -104,11 +126,13 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         row["seconds"] = time.perf_counter() - tick
         row["elapsed"] = time.perf_counter() - t0
         metrics.write(row)
+        ck = {"round": t, "w": w, "state": state, "counters": dict(counters)}
+        if hasattr(transport, "state_dict"):  # what the clients keep between rounds (sim: FedDD memory)
+            ck["transport"] = transport.state_dict()
         if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
-            ck = {"round": t, "w": w, "state": state, "counters": counters}
-            if hasattr(transport, "state_dict"):  # what the clients keep between rounds (sim: FedDD memory)
-                ck["transport"] = transport.state_dict()
             rundir.save_checkpoint(ck)
+        else:  # not due yet: a run stopped before the next round ends (field: broker outage) saves it then
+            rundir.unsaved_checkpoint = ck
         if bar is not None:
             bar.update(1)
             bar.set_postfix(_postfix(row, metrics.last_accuracy))
@@ -119,7 +143,24 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
                   file=sys.stderr, flush=True)
     if bar is not None:
         bar.close()
+    if len(differs) > 1:
+        log.warning("replay: %s would have selected other clients than the log in %d rounds (%s); every round "
+                    "replayed the log's selection", strategy.name, len(differs), ", ".join(map(str, differs[:20]))
+                    + (", ..." if len(differs) > 20 else ""))
     return w
+
+
+def _selection_differs(strategy: Strategy, t: int, selected: list[int], logged: list[int],
+                       differs: list[int]) -> None:
+    """A replay whose strategy selects other clients than the recorded run did: the log's selection is
+    replayed (so the participation is the recorded one); said once, with the first round, then summed up."""
+    differs.append(t)
+    if len(differs) == 1:
+        log.warning("replay: round %d: %s selects clients %s, the log selected %s; replaying the log's selection "
+                    "(the log was recorded with another strategy or other settings, or the strategy's inputs "
+                    "differ, e.g. FedCS's measured times in a field trial)", t, strategy.name,
+                    sorted(selected), list(logged),
+                    extra={"fields": {"round": t, "strategy_selected": sorted(selected), "log_selected": list(logged)}})
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -23,7 +23,7 @@ from coordinator import errors
 from coordinator.availability import models as av
 from coordinator.availability.participation import Replay
 from coordinator.availability.traces import DeviceTraceAvailability
-from coordinator.config import SimConfig
+from coordinator.config import SimConfig, upgrade_renamed
 from coordinator.errors import UserError
 from coordinator.loop import LoopConfig
 from coordinator.rundir import CHECKPOINT, RunDir, check_out, load_checkpoint_file, read_metrics
@@ -42,6 +42,8 @@ NOT_BOUND: dict[tuple[str, str], str] = {
     ("train", "lr"): "sent with every task",
     ("train", "lr_decay"): "applied by the coordinator to the lr it sends",
     ("train", "lr_min"): "applied by the coordinator to the lr it sends",
+    ("train", "lr_schedule"): "applied by the coordinator to the lr it sends",
+    ("train", "lr_step_every"): "applied by the coordinator to the lr it sends",
     ("train", "batch_size"): "sent with every task",
     ("train", "epochs"): "sent with every task",
     ("train", "steps"): "sent with every task",
@@ -91,7 +93,7 @@ def build_availability(cfg: SimConfig):
     a, n, seed = cfg.availability, cfg.data.clients, cfg.run.seed
     common = {"first_round_all": a.first_round_all, "min_active": a.min_active}
     if a.kind == "replay":
-        replay = Replay(a.trace, n)
+        replay = Replay(a.trace, n, selection=replay_selection(cfg))
         if cfg.run.rounds > replay.rounds:
             raise UserError(f"--rounds {cfg.run.rounds}: the trace {a.trace} covers only {replay.rounds} rounds")
         return replay
@@ -107,10 +109,27 @@ def build_availability(cfg: SimConfig):
     if a.kind == "timevarying":
         return av.TimeVarying(n, seed, fraction=a.fraction, **common)
     if a.kind == "diurnal":
-        return av.Diurnal(n, seed, period=a.period, groups_d=a.diurnal_d, **common)
+        return av.Diurnal(n, seed, half_period=a.half_period, groups_d=a.diurnal_d, **common)
     if a.kind == "cluster-dropout":
         return av.ClusterDropout(n, seed, alpha=a.alpha, **common)
     raise UserError(f"--availability: unknown model {a.kind!r}")
+
+
+def replay_selection(cfg: SimConfig) -> str:
+    """`log` or `strategy` for --replay-selection (auto: log when the trace's own run used the same --algo)."""
+    mode = cfg.availability.replay_selection
+    if mode != "auto":
+        return mode
+    saved = Path(cfg.availability.trace).with_name("config.json")
+    try:
+        algo = json.loads(saved.read_text())["strategy"]["algo"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "log"  # no run beside the trace (a hand-made or imported log): replay it as recorded
+    chosen = "log" if algo == cfg.strategy.algo else "strategy"
+    log.info("replay: the trace was recorded with --algo %s; %s", algo,
+             "replaying its selection exactly" if chosen == "log" else
+             f"{cfg.strategy.algo} selects among its available clients (--replay-selection log to force the log's)")
+    return chosen
 
 
 def build_strategy(cfg: SimConfig) -> Strategy:
@@ -118,7 +137,10 @@ def build_strategy(cfg: SimConfig) -> Strategy:
     cls = STRATEGIES.get(s.algo)
     if cls is None:
         raise UserError(f"--algo: unknown algorithm {s.algo!r} (choose from {', '.join(STRATEGIES)})")
-    return cls.from_config(s) if hasattr(cls, "from_config") else cls(weighting=s.weighting)
+    strategy = cls.from_config(s) if hasattr(cls, "from_config") else cls(weighting=s.weighting)
+    if hasattr(strategy, "bind_lr_schedule"):  # applies the round's lr on the server (FedLaAvg lr-normalised)
+        strategy.bind_lr_schedule(loop_config(cfg).lr_at)
+    return strategy
 
 
 def binding_of(cfg: SimConfig, ds: datasets.Dataset | None = None) -> DataBinding:
@@ -146,7 +168,8 @@ def loop_config(cfg: SimConfig) -> LoopConfig:
     t = cfg.train
     return LoopConfig(rounds=cfg.run.rounds, n_clients=cfg.data.clients, seed=cfg.run.seed, lr=t.lr,
                       lr_decay=t.lr_decay, lr_min=t.lr_min, batch_size=t.batch_size, epochs=t.epochs,
-                      steps=t.steps, eval_every=cfg.run.eval_every, checkpoint_every=cfg.run.checkpoint_every)
+                      steps=t.steps, eval_every=cfg.run.eval_every, checkpoint_every=cfg.run.checkpoint_every,
+                      lr_schedule=t.lr_schedule, lr_step_every=t.lr_step_every)
 
 
 # Config fields a resumed run may change: the schedule and this host's settings, never the experiment.
@@ -169,9 +192,12 @@ def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
             old = json.loads(saved.read_text())
         except ValueError as e:
             raise UserError(f"--resume: {saved} is damaged ({e}); restore it or start a new run") from None
-        new = cfg.to_dict()
-        differ = [f"{s}.{k} ({old.get(s, {}).get(k)!r} → {v!r})" for s, sec in new.items() for k, v in sec.items()
-                  if (s, k) not in RESUMABLE_CHANGES and old.get(s, {}).get(k) != v]
+        old = upgrade_renamed(old, str(saved), warn=False) if isinstance(old, dict) else old  # e.g. period
+        new, default = cfg.to_dict(), SimConfig().to_dict()
+        # an option added after the run was written counts as its default (the run was made without it)
+        was = {(s, k): old.get(s, {}).get(k, default[s][k]) for s, sec in new.items() for k in sec}
+        differ = [f"{s}.{k} ({was[s, k]!r} → {v!r})" for s, sec in new.items() for k, v in sec.items()
+                  if (s, k) not in RESUMABLE_CHANGES and was[s, k] != v]
         if differ:
             raise UserError(f"--resume: the run in {path} was made with other settings: {', '.join(differ)}; "
                             f"resume with its own config (--config {saved}) or start a new run")

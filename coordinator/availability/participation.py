@@ -11,12 +11,17 @@
 status: participated (update aggregated) | unavailable (could not take part; reason says why) |
 not_selected (available, the strategy chose others) | dropped (selected, but its update did not
 arrive or was rejected; reason says why).
+
+The statuses keep three things apart: availability (unavailable vs the rest), the strategy's selection
+(participated + dropped), and what happened after selection (dropped vs participated). `Replay` gives all
+three back to the round loop (`LoggedRound`), so a replay reproduces the recorded run exactly.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +31,17 @@ from coordinator.errors import UserError
 
 FIELDS = ("round", "client", "status", "reason")
 STATUSES = ("participated", "unavailable", "not_selected", "dropped")
+
+
+@dataclass
+class LoggedRound(RoundAvailability):
+    """A recorded round: who was available (`available`, `reasons`), whom the strategy selected
+    (`selected`: participated + dropped, ascending) and which of them dropped after selection, with the
+    recorded reason (`drops`). The round loop uses the recorded selection instead of the strategy's and
+    leaves the dropped clients' updates out of the aggregate (coordinator/loop.py; docs/traces.md)."""
+
+    selected: list[int] = field(default_factory=list)
+    drops: dict[int, str] = field(default_factory=dict)
 
 
 class ParticipationLog:
@@ -113,16 +129,20 @@ def _gaps(present) -> list[tuple[int, int]]:
 
 
 class Replay:
-    """Availability model that replays a recorded participation log: clients that participated or
-    were not selected are available; unavailable and dropped clients are absent with their reason."""
+    """Replays a recorded participation log exactly (docs/traces.md): `round(t)` is a `LoggedRound`.
+    Available: the clients that participated, were not selected or dropped (a dropped client was
+    selected, so it was available); unavailable clients are absent with their reason. Selected: the
+    participated and dropped clients. Drops: the dropped clients with their reason (empty: deadline)."""
 
     name = "replay"
 
-    def __init__(self, path: str | Path, n_clients: int):
+    def __init__(self, path: str | Path, n_clients: int, selection: str = "log"):
         """Reads and checks the whole log up front (so a bad log fails before a run starts): integer
         round >= 0 and client in 0..n_clients-1, a known status and reason, one row per (round,
         client), and every client in every round 0..last."""
-        self.n = n_clients
+        if selection not in ("log", "strategy"):
+            raise ValueError(f"selection {selection!r}")
+        self.n, self.selection = n_clients, selection
         self.table: dict[int, RoundAvailability] = {}
         seen: dict[tuple[int, int], int] = {}
         fix = "fix or re-record the log (schema: docs/traces.md)"
@@ -147,13 +167,19 @@ class Replay:
                 raise UserError(f"{where}: round {t}, client {c} again (first on line {seen[t, c]}); "
                                 f"keep one row per client per round")
             seen[t, c] = line
-            ra = self.table.setdefault(t, RoundAvailability(np.zeros(n_clients, bool)))
-            if status in ("participated", "not_selected"):
-                ra.available[c] = True
+            ra = self.table.setdefault(t, LoggedRound(np.zeros(n_clients, bool)))
+            if status == "unavailable":
+                ra.reasons[c] = reason or "trace"
             else:
-                ra.reasons[c] = reason or ("deadline" if status == "dropped" else "trace")
+                ra.available[c] = True
+            if status in ("participated", "dropped"):
+                ra.selected.append(c)
+            if status == "dropped":
+                ra.drops[c] = reason or "deadline"
         if not self.table:
             raise UserError(f"--trace: {path} holds no rounds")
+        for ra in self.table.values():
+            ra.selected.sort()
         self.rounds = max(self.table) + 1
         gaps = _gaps(self.table)
         if gaps:
@@ -178,10 +204,14 @@ class Replay:
             raise UserError(f"{where}: column {col!r}: {v} is negative; {fix}")
         return v
 
-    def round(self, t: int) -> RoundAvailability:
+    def round(self, t: int) -> LoggedRound:
         if t not in self.table:
             raise UserError(f"--trace: the log has no round {t} (it covers rounds 0..{self.rounds - 1})")
         ra = self.table[t]
         for i in np.flatnonzero(~ra.available):
             ra.reasons.setdefault(int(i), "trace")
+        if self.selection == "strategy":  # availability only: who dropped in the log could not take part
+            avail = ra.available.copy()
+            avail[list(ra.drops)] = False
+            return RoundAvailability(avail, {**ra.reasons, **ra.drops})
         return ra
