@@ -145,6 +145,9 @@ class RunDir:
                 (self.path / name).unlink(missing_ok=True)
             shutil.rmtree(self.path / "report", ignore_errors=True)
         self.path.mkdir(parents=True, exist_ok=True)
+        # the last finished round's checkpoint when it was not due (--checkpoint-every): the round loop keeps it
+        # here, and a run that stops early on purpose (field mode's broker outage) saves it before it exits
+        self.unsaved_checkpoint: dict | None = None
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -163,11 +166,17 @@ class RunDir:
     def save_checkpoint(self, ck: dict) -> None:
         """Atomic, keeping the previous one: write a temporary file, move the current checkpoint to
         checkpoint.prev.pt, then rename the new one into place."""
+        self.unsaved_checkpoint = None
         tmp = self.file(CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
         if self.file(CHECKPOINT).exists():
             os.replace(self.file(CHECKPOINT), self.file(PREVIOUS))
         os.replace(tmp, self.file(CHECKPOINT))
+
+    def save_unsaved_checkpoint(self) -> None:
+        """Save the last finished round's checkpoint if the round loop kept one that was not due yet."""
+        if self.unsaved_checkpoint is not None:
+            self.save_checkpoint(self.unsaved_checkpoint)
 
     def load_checkpoint(self) -> dict | None:
         p = self.file(CHECKPOINT)

@@ -99,6 +99,16 @@ def _sha(b: bytes | memoryview) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+DIGEST_HEX = 16  # hex digits of a model digest
+
+
+def model_digest(w: torch.Tensor) -> str:
+    """The digest that binds an update to the global model it was trained on (docs/protocol.md): the first
+    16 hex digits of the sha256 of the weights' float32 little-endian bytes. Both sides compute it from the
+    same bytes (the coordinator from its flat global weights, the agent from the model message's tensor)."""
+    return _sha(tensor_bytes(w.detach().to(torch.float32).reshape(-1))[2])[:DIGEST_HEX]
+
+
 def tensor_bytes(t: torch.Tensor) -> tuple[str, list[int], bytes]:
     """(dtype name, shape, little-endian C-order bytes) of a CPU tensor."""
     names = {v: k for k, v in DTYPES.items()}
@@ -217,6 +227,7 @@ class Reassembler:
     def __init__(self, limits: Limits = Limits()):
         self.limits = limits
         self.pending: OrderedDict[tuple, tuple[Header, dict[int, bytes]]] = OrderedDict()
+        self.last: Header | None = None  # the header of the last frame `add` accepted (upload progress)
 
     def add(self, data: bytes, run: str | None = None, round: int | None = None,
             client: int | None = None, kinds: tuple[str, ...] | None = None,
@@ -226,6 +237,7 @@ class Reassembler:
         check_binding(h, run, round, client, kinds)
         if max_nbytes is not None and h.nbytes > max_nbytes:
             raise WireError(f"tensor of {h.nbytes} bytes exceeds the {max_nbytes} bytes expected here", TOO_LARGE)
+        self.last = h
         if h.chunks == 1:
             return _assemble(h, body)
         key = (h.run, h.round, h.client, h.kind, h.sha256)

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-APT_PKGS="dataset-fashion-mnist mosquitto mosquitto-clients openssl iproute2 shellcheck g++"
+APT_PKGS="dataset-fashion-mnist mosquitto mosquitto-clients rabbitmq-server openssl iproute2 shellcheck g++"
 
 need_apt=""
 for p in $APT_PKGS; do

@@ -465,7 +465,8 @@ def no_network(monkeypatch):
         check_out(out, resume, overwrite)
 
     def trial_stub(cfg, out, profiles, deadline_s, heartbeat_s, max_slowdown, progress, links=None,
-                   broker_dir=None):
+                   broker_dir=None, broker_outage_timeout_s=300.0, resume=False, overwrite=False):
+        assert math.isfinite(broker_outage_timeout_s) and broker_outage_timeout_s > 0, broker_outage_timeout_s
         assert all(math.isfinite(v) for v in (deadline_s, heartbeat_s, max_slowdown)), (deadline_s, heartbeat_s)
         assert deadline_s > 0 and heartbeat_s > 0 and max_slowdown >= 0, (deadline_s, heartbeat_s, max_slowdown)
         return "stub"

@@ -17,21 +17,28 @@ from pathlib import Path
 from coordinator import config
 from coordinator.errors import UserError
 from coordinator.field.run import run_field
-from edge_client.agent.config import AgentError, broker_address
+from edge_client.agent.config import AgentError, broker_urls
 from edge_client.configfile import check_value
 
 FIELD_OPTIONS = {  # flag: (FieldConfig field, type, help)
-    "--broker": ("broker", str, "MQTT broker URL mqtt://HOST[:PORT] (default: mqtt://127.0.0.1:1883)"),
+    "--broker": ("broker", str, "MQTT broker URL mqtt://HOST[:PORT], or a comma-separated list of URLs of one "
+                                "cluster to fail over between (default: mqtt://127.0.0.1:1883)"),
     "--deadline": ("deadline_s", float, "per-round deadline in seconds (default: 60)"),
     "--heartbeat-timeout": ("heartbeat_timeout_s", float, "an agent silent for this long is offline (default: 10)"),
+    "--upload-extension": ("upload_extension_s", float, "an upload still arriving at the deadline at a rate that "
+                           "finishes within this many seconds past it keeps the round open (default: 0, off)"),
     "--wait-agents": ("wait_agents", int, "agents to wait for before round 0 (default: --clients)"),
     "--wait-timeout": ("wait_timeout_s", float, "give up waiting for agents after this long (default: 120)"),
     "--round-wait": ("round_wait_s", float, "at each round start, wait up to this long for absent agents (default: 0)"),
+    "--broker-outage-timeout": ("broker_outage_timeout_s", float, "disconnected from the broker this long: stop "
+                                "(exit 1) with the finished rounds checkpointed, to --resume later; meanwhile no "
+                                "round starts and the open one's deadline is suspended (default: 300)"),
     "--chunk-bytes": ("chunk_bytes", int, "send tensors above this size in chunks (default: 262144)"),
     "--run-id": ("run_id", str, "run id bound into every message (default: run directory name + random suffix)"),
 }
 # ranges of the numeric field options (edge_client/configfile.py check_value; floats must also be finite)
-FIELD_LIMITS = {"deadline_s": {"gt": 0}, "heartbeat_timeout_s": {"gt": 0}, "wait_agents": {"minimum": 0},
+FIELD_LIMITS = {"deadline_s": {"gt": 0}, "heartbeat_timeout_s": {"gt": 0}, "upload_extension_s": {"minimum": 0},
+                "wait_agents": {"minimum": 0}, "broker_outage_timeout_s": {"gt": 0},
                 "wait_timeout_s": {"minimum": 0}, "round_wait_s": {"minimum": 0}, "chunk_bytes": {"minimum": 1}}
 
 
@@ -87,7 +94,7 @@ def field_config(args: argparse.Namespace, out: Path, resume: bool):
             where = f"from {flag}" if getattr(args, f"field.{dest}", None) is not None else f"in {saved}"
             setattr(fc, dest, check_value(f"field.{dest}", v, typ, FIELD_LIMITS[dest], where, UserError))
     try:
-        broker_address(fc.broker)  # a bad URL now, before the run directory is written
+        fc.broker = ",".join(broker_urls(fc.broker))  # a bad URL now, before the run directory is written
     except AgentError as e:
         raise UserError(f"--broker: {e}") from None
     return fc

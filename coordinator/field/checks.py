@@ -19,13 +19,14 @@ from edge_client import wire
 # Reject codes added here; the wire's own are wire.MALFORMED, VERSION, TOO_LARGE, CHECKSUM, WRONG_RUN,
 # WRONG_ROUND, WRONG_CLIENT, WRONG_KIND.
 SHAPE, NONFINITE, META, PAYLOAD, DEVICE = "shape", "nonfinite", "meta", "payload", "device"
+MODEL = "model"  # an update trained on another global model than the round's (its model_digest differs)
 MAX_STEPS = 10 ** 9
 MAX_SAMPLES = 2 ** 31 - 1
 
 Reject = tuple[str, str]
 
 # optional numbers an update's meta may carry: None or finite and >= 0
-_UPDATE_NUMBERS = ("train_s", "download_s", "wait_s", "train_samples_per_s", "label_score")
+_UPDATE_NUMBERS = ("train_s", "download_s", "download_span_s", "wait_s", "train_samples_per_s", "label_score")
 _STATS_NUMBERS = ("upload_s", "upload_bytes", "uplink_Bps")
 
 
@@ -63,7 +64,20 @@ def update_meta(meta: dict, announced_samples: object) -> Reject | None:
         problem = _number_problem(meta, k)
         if problem:
             return META, problem
+    digest = meta.get("model_digest")
+    if digest is not None and (not isinstance(digest, str) or len(digest) > 64):
+        return META, f"meta model_digest = {str(digest)[:40]!r} is not a hex string"
     return None
+
+
+def stale_model(meta: dict, digest: str | None) -> Reject | None:
+    """An update whose `model_digest` (the global model the agent trained on) is not the round's `digest`:
+    trained on another model (a resumed coordinator's redone round, a cached or replayed update). An
+    update without a digest, or a round without one, is not checked."""
+    got = meta.get("model_digest")
+    if digest is None or got is None or got == digest:
+        return None
+    return MODEL, f"trained on model {str(got)[:64]!r}, this round's model is {digest!r} (stale)"
 
 
 def update(m: wire.Message, num_params: int, announced_samples: object) -> Reject | None:

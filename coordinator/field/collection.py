@@ -2,7 +2,10 @@
 
 Owns `RoundState` (the round in progress: its tasks and what each selected client has delivered,
 declined, or been dropped for) and the handling of the agents' round messages: update chunks
-reassembled into whole messages (`wire.Reassembler`), upload stats, declines, evaluations. Every
+reassembled into whole messages (`wire.Reassembler`; each upload's progress counted as its chunks arrive,
+`UploadProgress`, and `keeps_open`, the rule by which it may keep the round open past its deadline), upload
+stats, declines, evaluations; an update trained on another model than the round's (`model_digest`) is
+rejected. Every
 message is validated (`edge_client.wire`, `coordinator/field/checks.py`, `_invalid`); one that fails is
 rejected: logged with its reason as a warning (structured fields: code, device, topic, round) and
 counted by code (`rejects`, the round's `RoundState.rejects`). Also writes `field.jsonl` (`write_log`).
@@ -30,10 +33,53 @@ log = logging.getLogger("dropfl.coordinator")
 
 
 @dataclass
+class UploadProgress:
+    """An update upload in progress, on the coordinator's monotonic clock (docs/field-mode.md "Liveness")."""
+    sha256: str            # the message being uploaded (a new one restarts the count)
+    chunks: int            # its number of chunks
+    first_at: float        # arrival of its first chunk
+    last_at: float         # arrival of its latest chunk
+    got: set[int] = field(default_factory=set)  # chunk indices received
+    body_bytes: int = 0    # tensor bytes received so far
+    done: bool = False
+
+    def add(self, chunk: int, body_bytes: int, now: float) -> None:
+        if chunk not in self.got:
+            self.got.add(chunk)
+            self.body_bytes += body_bytes
+        self.last_at = now
+
+    def chunk_rate(self) -> float | None:
+        """Chunks per second after the first (None until two chunks arrived apart)."""
+        span = self.last_at - self.first_at
+        return (len(self.got) - 1) / span if len(self.got) >= 2 and span > 0 else None
+
+    def row(self) -> dict:
+        return {"chunks": len(self.got), "of": self.chunks, "bytes": self.body_bytes,
+                "seconds": self.last_at - self.first_at, "done": self.done}
+
+
+def keeps_open(p: UploadProgress, now: float, timeout_s: float, hard_end: float) -> bool:
+    """The deadline's extension rule: an upload in progress keeps its round open past the deadline while
+    (1) its chunks keep arriving: the latest within max(`timeout_s` (the heartbeat timeout), 3 chunk
+    intervals at the measured rate), and (2) at the rate they arrive, the rest arrives by `hard_end`
+    (deadline + upload_extension_s): latest arrival + missing chunks / chunk rate ≤ hard_end (with a single
+    chunk so far, the rate is unknown and (1) with `timeout_s` and `hard_end` bound it alone). Never past
+    `hard_end`."""
+    rate = p.chunk_rate()
+    stalled_after = timeout_s if rate is None else max(timeout_s, 3.0 / rate)
+    if p.done or now >= hard_end or now - p.last_at > stalled_after:
+        return False
+    return rate is None or p.last_at + (p.chunks - len(p.got)) / rate <= hard_end
+
+
+@dataclass
 class RoundState:
     t: int
     tasks: dict[int, TrainTask]
     started: float
+    digest: str | None = None  # the round's global model (wire.model_digest): updates must echo it
+    progress: dict[int, UploadProgress] = field(default_factory=dict)  # uploads of this round, by client
     updates: dict[int, wire.Message] = field(default_factory=dict)
     received_at: dict[int, float] = field(default_factory=dict)
     stats: dict[int, dict] = field(default_factory=dict)
@@ -131,6 +177,9 @@ class Collection:
             if a.client in r.tasks and not r.resolved(a.client) and a.client not in r.updates:
                 r.dropped[a.client] = "rejected"
             return
+        if kinds == ("update",):
+            body = len(payload) - 8 - int.from_bytes(payload[4:8], "big")  # the frame's tensor bytes
+            self._note_progress(r, a.client, body, now, done=m is not None)
         if m is None:
             return
         try:
@@ -138,6 +187,9 @@ class Collection:
         except wire.WireError as e:  # another run's or an earlier round's: late, never aggregated
             self.late += 1
             self._reject(device, sub, e.code, f"{e.reason} (late, stale or replayed)")
+            return
+        if m.kind == "update" and (problem := field_checks.stale_model(m.meta, r.digest)):
+            self._reject(device, sub, *problem)  # trained on another model: never aggregated, does not drop
             return
         if a.client not in r.tasks:
             return
@@ -167,6 +219,20 @@ class Collection:
                 self._reject(device, sub, *problem)
             else:
                 r.updates[c], r.received_at[c] = m, now
+
+    def _note_progress(self, r: RoundState, c: int, body_bytes: int, now: float, done: bool) -> None:
+        """Count a chunk of client c's update of this round (`reasm.last`: the chunk's header)."""
+        h = self.reasm.last
+        if h is None or c not in r.tasks or h.run != self.cfg.run_id or h.round != r.t or \
+                field_checks.stale_model(h.meta, r.digest):
+            return
+        p = r.progress.get(c)
+        if p is None or p.sha256 != h.sha256:
+            p = r.progress[c] = UploadProgress(h.sha256, h.chunks, now, now)
+        p.add(h.chunk, body_bytes, now)
+        p.done = p.done or done
+        log.debug("round %d: client %d upload %d/%d chunks, %d bytes in %.2f s", r.t, c, len(p.got), p.chunks,
+                  p.body_bytes, now - p.first_at)
 
     def _invalid(self, m: wire.Message) -> str | None:
         if is_sparse(m):  # FedDD's sparse payload (coordinator/field/sparse.py)

@@ -1,9 +1,13 @@
 """Field mode: the coordinator's MQTT client.
 
-Owns `FieldConfig` (broker, credentials, deadlines, limits) and the connection to the broker: the paho
-client, TLS against the broker's CA, the retained `coordinator/status` and its last will, reconnection
-(paho's, with a short backoff; `connects` counts every successful (re)connect so the round in progress
-can re-send what is outstanding), start/stop, and publishing. Incoming messages are parsed from their
+Owns `FieldConfig` (broker URLs, credentials, deadlines, limits) and the connection to the broker: the
+paho client, TLS against the broker's CA (one CA for every URL), the retained `coordinator/status` and
+its last will, reconnection (paho's, with a short backoff) with failover over the URL list (on a
+disconnect or a failed connect paho is pointed at the next URL: `edge_client.agent.config.Brokers`),
+the announce request (on every connect a non-retained `online` frame with `announce`, to which every
+agent answers with its status: retained statuses are an optimisation, never needed), `connects`
+(counts every successful (re)connect so the round in progress can re-send what is outstanding),
+start/stop, and publishing. Incoming messages are parsed from their
 topic here and handed, under the hub's lock `cond`, to `_dispatch` (coordinator/field/hub.py).
 """
 
@@ -18,30 +22,34 @@ from dataclasses import dataclass
 from paho.mqtt import client as mqtt
 
 from coordinator.errors import UserError
+from coordinator.field.outage import Outage
 from edge_client import wire
-from edge_client.agent import TOPIC_ROOT, broker_address
+from edge_client.agent.config import TOPIC_ROOT, AgentError, Brokers
 
 log = logging.getLogger("dropfl.coordinator")
 
 
 @dataclass
 class FieldConfig:
-    broker: str = "mqtt://127.0.0.1:1883"   # mqtts://HOST:PORT = TLS, server checked against ca_file
+    broker: str = "mqtt://127.0.0.1:1883"   # URL[,URL...]: failover in order; mqtts:// = TLS, checked against ca_file
     username: str = "coordinator"
     password: str | None = None              # never written to the run directory
     ca_file: str | None = None
     run_id: str = ""
     deadline_s: float = 60.0          # per round, from the publish of the model and tasks
-    heartbeat_timeout_s: float = 10.0  # no heartbeat for this long: offline
+    heartbeat_timeout_s: float = 10.0  # nothing heard from an agent for this long: offline
+    upload_extension_s: float = 0.0   # an upload still arriving at the deadline may run this much past it (0: off)
     wait_agents: int = 0              # at start, wait for this many agents (0: all clients)
     wait_timeout_s: float = 120.0
     round_wait_s: float = 0.0         # at each round start, wait up to this long for all agents
+    broker_outage_timeout_s: float = 300.0  # disconnected from the broker this long: stop (resume later)
     chunk_bytes: int = 256 * 1024
     max_tensor_bytes: int = 256 * 1024 ** 2
 
 
-class Connection:
-    """FieldHub's MQTT part. Uses the hub's `cfg`, `n` and `cond`; sets `mqtt` and `connects`.
+class Connection(Outage):
+    """FieldHub's MQTT part. Uses the hub's `cfg`, `n` and `cond`; sets `mqtt` and `connects`; broker
+    outages: coordinator/field/outage.py.
     Calls the hub's `_dispatch` and, when that raises, `_reject` (coordinator/field/collection.py)."""
 
     cfg: FieldConfig
@@ -51,10 +59,16 @@ class Connection:
     def _init_connection(self) -> None:
         cfg = self.cfg
         self.connects = 0
+        self.stopping = False
+        self._init_outage()
+        try:
+            self.brokers = Brokers(cfg.broker, "--broker")
+        except AgentError as e:  # the same parser as the agents'
+            raise UserError(str(e)) from None
         self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
                                 client_id=f"dropfl-coordinator-{uuid.uuid4().hex[:8]}", clean_session=True)
         self.mqtt.username_pw_set(cfg.username, cfg.password)
-        if cfg.broker.startswith("mqtts://"):
+        if self.brokers.tls:
             if not cfg.ca_file:
                 raise UserError("--broker mqtts://...: the broker's CA certificate is needed (--broker-config)")
             self.mqtt.tls_set(ca_certs=cfg.ca_file)
@@ -62,20 +76,18 @@ class Connection:
         self.mqtt.reconnect_delay_set(min_delay=0.2, max_delay=2)
         self.mqtt.max_inflight_messages_set(1000)
         self.mqtt.on_connect, self.mqtt.on_message = self._on_connect, self._on_message
-        self.mqtt.on_disconnect = self._on_disconnect
+        self.mqtt.on_disconnect, self.mqtt.on_connect_fail = self._on_disconnect, self._on_connect_fail
 
-    def _status(self, state: str) -> bytes:
-        return wire.encode("coordinator", self.cfg.run_id, -1, -1, meta={"state": state, "n_clients": self.n})[0]
+    def _status(self, state: str, announce: bool = False) -> bytes:
+        meta = {"state": state, "n_clients": self.n} | ({"announce": True} if announce else {})
+        return wire.encode("coordinator", self.cfg.run_id, -1, -1, meta=meta)[0]
 
     def start(self) -> None:
-        try:
-            host, port = broker_address(self.cfg.broker)
-        except Exception as e:  # AgentError: the same parser as the agents'
-            raise UserError(f"--broker: {e}") from None
-        self.mqtt.connect_async(host, port, keepalive=10)
+        self.mqtt.connect_async(*self.brokers.address, keepalive=10)
         self.mqtt.loop_start()
 
     def stop(self, finished: bool) -> None:
+        self.stopping = True
         if self.mqtt.is_connected():
             state = "finished" if finished else "offline"
             info = self.mqtt.publish(f"{TOPIC_ROOT}/coordinator/status", self._status(state), qos=1, retain=True)
@@ -97,16 +109,31 @@ class Connection:
         if reason_code.is_failure:
             log.warning("broker refused the connection: %s", reason_code)
             return
-        dev = f"{TOPIC_ROOT}/device/+"
+        dev = f"{TOPIC_ROOT}/device/+"  # clean session: subscribe on every connect
         client.subscribe([(f"{dev}/status", 1), (f"{dev}/heartbeat", 0), (f"{dev}/update/#", 1)])
-        client.publish(f"{TOPIC_ROOT}/coordinator/status", self._status("online"), qos=1, retain=True)
+        status = f"{TOPIC_ROOT}/coordinator/status"
+        client.publish(status, self._status("online"), qos=1, retain=True)  # for late subscribers (mosquitto)
+        # the announce request: agents answer with their status; after the subscribe on this connection,
+        # so their answers reach us. Needed where retained statuses do not reach `device/+/status` (RabbitMQ)
+        client.publish(status, self._status("online", announce=True), qos=1)
+        log.info("connected to the broker %s", self.brokers.url)
         with self.cond:
             self.connects += 1
+            self._outage_ended()  # a reconnect ends a broker outage (coordinator/field/outage.py)
             self.cond.notify_all()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if self.stopping:
+            return
+        with self.cond:  # unexpected: no round opens or closes until we are back (coordinator/field/outage.py)
+            self._outage_began()
+        url = self.brokers.rotate(client)
         if reason_code.is_failure:
-            log.warning("disconnected from the broker (%s); reconnecting", reason_code)
+            log.warning("disconnected from the broker (%s); reconnecting to %s", reason_code, url)
+
+    def _on_connect_fail(self, client, userdata) -> None:
+        failed, url = self.brokers.url, self.brokers.rotate(client)
+        log.warning("could not connect to the broker %s; trying %s", failed, url)
 
     def _on_message(self, client, userdata, msg) -> None:
         parts = msg.topic.split("/")

@@ -6,7 +6,8 @@
 
 The hub holds what they share (`cfg`, `n`, `binding`, `num_params`, `limits`) and the lock `cond`:
 paho's network thread writes under it, the loop's thread (MqttTransport, FieldAvailability) reads and
-waits on it. `_dispatch` routes a device's message to the part that owns it.
+waits on it. `_dispatch` routes a device's message to the part that owns it and notes that the device is
+alive (`AgentInfo.last_seen`: every message counts, docs/field-mode.md "Liveness").
 """
 
 from __future__ import annotations
@@ -41,3 +42,6 @@ class FieldHub(Connection, Registry, Collection):
             self._on_agent_message(device, sub, payload, retained, now)
         else:
             self._on_round_message(device, sub, payload, now)
+        a = self.agents.get(device)
+        if a is not None and not retained:  # liveness: anything from the device is life (a chunk too)
+            a.last_seen = now

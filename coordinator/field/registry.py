@@ -1,7 +1,8 @@
 """Field mode: what the coordinator knows about its agents.
 
 Owns `AgentInfo` and the registry (`agents` by device id, `by_client` by client index): an agent's
-retained status (online/offline, its announce), its heartbeats, and whether its data binding matches
+status (online/offline, its announce; sent on every connect and in answer to the coordinator's announce
+request, retained only as an optimisation), its heartbeats, and whether its data binding matches
 the coordinator's (`edge_client.federation.diff`; an agent that differs is never selected). Liveness
 queries (`is_online`, `client_status`, `online_count`, `wait_for_agents`, `device_of`) are asked by the
 loop's thread under the hub's lock `cond`. `FieldAvailability` answers the loop's
@@ -35,6 +36,7 @@ class AgentInfo:
     client: int
     online: bool = False
     last_heartbeat: float = -1.0      # coordinator's monotonic clock
+    last_seen: float = -1.0           # the same, of anything that arrived from the device (liveness)
     heartbeat: dict = field(default_factory=dict)
     announce: dict = field(default_factory=dict)
     mismatch: str | None = None       # data binding differs from the coordinator's: never selected
@@ -97,9 +99,12 @@ class Registry:
                 f"{k} (agent {mine!r}, coordinator {theirs!r})" for k, (mine, theirs) in diff.items())
             if a.mismatch:
                 log.warning("device %s will not be selected: %s", device, a.mismatch)
-            self._agent_online(a.client)
+            # an agent's answer to our announce request (`reply`) while we hold it online is no rejoin:
+            # nothing of the round was lost on its side, so nothing is re-sent (a (re)connect is one)
+            if not (meta.get("reply") is True and a.online):
+                self._agent_online(a.client)
             a.online = True
-            a.last_heartbeat = time.monotonic()
+            a.last_heartbeat = a.last_seen = time.monotonic()
         else:
             a.online = False
             self._agent_offline(a.client)
@@ -108,9 +113,11 @@ class Registry:
 
     # --- queries (loop thread, under cond) ---
     def is_online(self, a: AgentInfo, now: float) -> bool:
-        """Announced online, heard from within the heartbeat timeout, and at least one heartbeat seen
-        (it carries the agent's availability)."""
-        return a.online and bool(a.heartbeat) and now - a.last_heartbeat <= self.cfg.heartbeat_timeout_s
+        """Announced online, heard from within the heartbeat timeout (anything the device sent counts:
+        a heartbeat, a status, a chunk of an upload; FieldHub._dispatch sets `last_seen`), and at least one
+        heartbeat seen (it carries the agent's availability)."""
+        return a.online and bool(a.heartbeat) and \
+            now - max(a.last_seen, a.last_heartbeat) <= self.cfg.heartbeat_timeout_s
 
     def client_status(self, c: int, now: float) -> str | None:
         """None if client c may take part now, else the reason."""
@@ -151,12 +158,18 @@ class FieldAvailability:
         self.hub = hub
 
     def round(self, t: int) -> RoundAvailability:
+        """No round starts while the coordinator is disconnected from the broker: it waits for the broker
+        first (`wait_for_broker`, coordinator/field/outage.py; BrokerOutage after --broker-outage-timeout)."""
+        waiting = f"round {t} starts when it is back"
         if self.hub.cfg.round_wait_s > 0:
+            with self.hub.cond:
+                self.hub.wait_until_settled(waiting)
             self.hub.wait_for_agents(self.hub.n, self.hub.cfg.round_wait_s)
-        now = time.monotonic()
         avail = np.zeros(self.hub.n, bool)
         reasons: dict[int, str] = {}
-        with self.hub.cond:
+        with self.hub.cond:  # after an outage, also the agents it cut off, while they may be reconnecting
+            self.hub.wait_until_settled(waiting)
+            now = time.monotonic()
             for c in range(self.hub.n):
                 why = self.hub.client_status(c, now)
                 if why is None:

@@ -1,23 +1,28 @@
 """Field mode's run: `setup_run` (coordinator/runsetup.py), the MQTT hub and transport, the round loop.
 
 Writes the same run directory as simulation, plus `field.jsonl` (per-round timings, drops, duplicates; agents'
-evaluations and status changes), `field.json` (run id, field options) and `model.onnx`.
+evaluations and status changes), `field.json` (run id, field options) and `model.onnx`. A broker outage longer
+than --broker-outage-timeout (coordinator/field/outage.py) ends the run with a RunFailure that says how to
+resume, after the last finished round's checkpoint is saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import torch
 
 from coordinator import config
-from coordinator.errors import UserError
+from coordinator.errors import RunFailure, UserError
 from coordinator.field.connection import FieldConfig
 from coordinator.field.hub import FieldHub
+from coordinator.field.outage import BrokerOutage
 from coordinator.field.registry import FieldAvailability
 from coordinator.field.transport import MqttTransport, export_onnx
 from coordinator.loop import run_rounds
+from coordinator.rundir import CHECKPOINT, load_checkpoint_file
 from coordinator.runsetup import setup_run
 from edge_client.models import num_params
 
@@ -41,11 +46,29 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
                             f"(broker {fc.broker}); start them with `dropfl client --config FILE`")
         log.info("run %s: %d agents online; %s", fc.run_id, got, "resuming" if resume else "starting")
         transport = MqttTransport(hub, run.model, run.input_shape, run.rundir.file("model.onnx"))
-        w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate, run.rundir,
-                       run.w0(), resume=resume, progress=progress)
+        try:
+            w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate, run.rundir,
+                           run.w0(), resume=resume, progress=progress)
+        except BrokerOutage as e:
+            run.rundir.save_unsaved_checkpoint()  # the last finished round, if --checkpoint-every had not saved it
+            raise RunFailure(f"{e}; {how_to_resume(run.rundir.path)}") from None
         run.save_final(w)
         run.rundir.file("model.onnx").write_bytes(export_onnx(run.eval_model, w, run.input_shape))  # final model
         finished = True
         return w
     finally:
         hub.stop(finished)
+
+
+def how_to_resume(path: Path) -> str:
+    """After a broker outage: which rounds are saved in the run directory, and how to go on."""
+    ck = path / CHECKPOINT
+    if not ck.exists():
+        return (f"no round had finished: once the broker is back, start the run again (the same command; "
+                f"{path} holds no finished round)")
+    try:
+        done = f"rounds 0..{load_checkpoint_file(ck)['round']} are checkpointed in {path}"
+    except UserError:
+        done = f"{ck} is damaged (the previous checkpoint may be whole)"
+    return (f"{done}: once the broker is back, resume with the same command plus --resume "
+            f"(`dropfl coordinator ... --out {path} --resume`; a trial: `dropfl trial --resume {path}`)")

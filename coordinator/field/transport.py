@@ -3,8 +3,10 @@
 `MqttTransport.run_round` publishes the round's tasks, the global weights and their ONNX export
 (`export_onnx`), then waits — on the hub's condition variable, fed by paho's network thread, never by
 polling sleeps — until every selected client has delivered a complete, valid update (and its upload
-stats), declined, or gone offline, or until the deadline; it re-sends what is outstanding to an agent
-that rejoins and after the coordinator reconnects. It then turns the updates into `ClientUpdate`s and
+stats), declined, or gone offline, or until the deadline (extended while an upload keeps arriving,
+`collection.keeps_open`); it re-sends the task, model and ONNX to an agent that rejoins on its own control
+topic, and re-broadcasts what is outstanding after the coordinator reconnects. Tasks and models carry the
+model's digest (`wire.model_digest`). It then turns the updates into `ClientUpdate`s and
 writes the round's row of `field.jsonl`. The hub (connection, agents, collection) is
 coordinator/field/hub.py. Topics and messages: docs/protocol.md.
 """
@@ -19,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from coordinator.field.collection import RoundState
+from coordinator.field.collection import RoundState, keeps_open
 from coordinator.field.hub import FieldHub
+from coordinator.field.outage import LOSS_SETTLE_S
 from coordinator.field.sparse import update_tensors
 from coordinator.strategies.base import ClientUpdate
 from edge_client import feddd, wire
@@ -44,6 +47,16 @@ def export_onnx(model: torch.nn.Module, w: torch.Tensor, input_shape: tuple[int,
     return buf.getvalue()
 
 
+def client_report(meta: dict, stats: dict, upload_bytes: int, model_bytes: int) -> ClientReport:
+    """FedDD's and FedCS's inputs from an update's meta and its stats: durations the agent measured on its
+    own monotonic clock (train_s, upload_s, download_s; docs/protocol.md "Measured rates"). The coordinator
+    never subtracts another host's timestamps, so clock skew between the hosts does not enter."""
+    down_s = meta.get("download_s") or 0.0
+    return ClientReport(compute_s=meta.get("train_s"), up_Bps=stats.get("uplink_Bps"),
+                        down_Bps=(model_bytes / down_s) if down_s > 0 else None,
+                        upload_bytes=upload_bytes, download_bytes=model_bytes, label_score=meta.get("label_score"))
+
+
 class MqttTransport:
     """`run_round(t, w, tasks)` over the broker; same contract as SimTransport."""
 
@@ -52,18 +65,26 @@ class MqttTransport:
         hub.layout = feddd.unit_layout(model)
         self.stats: dict[str, float] = {}
 
-    def _publish_model(self, t: int, w: torch.Tensor, onnx_bytes: bytes) -> None:
+    def _publish_model(self, t: int, w: torch.Tensor, onnx_bytes: bytes, digest: str | None = None,
+                       device: str | None = None) -> None:
+        """The round's global weights and ONNX model: broadcast on model/..., or to one `device` only on its
+        own control topic (an agent that rejoins; docs/protocol.md)."""
         hub, run, lim = self.hub, self.hub.cfg.run_id, self.hub.limits
-        hub.publish_frames("model/weights", wire.encode("model", run, t, -1, w, {"model": hub.binding.model}, lim))
+        weights_topic, onnx_topic = ("model/weights", "model/onnx") if device is None else \
+            (f"device/{device}/control",) * 2
+        meta = {"model": hub.binding.model} | ({} if digest is None else {"model_digest": digest})
+        hub.publish_frames(weights_topic, wire.encode("model", run, t, -1, w, meta, lim))
         onnx_t = torch.frombuffer(bytearray(onnx_bytes), dtype=torch.uint8)
-        hub.publish_frames("model/onnx", wire.encode("onnx", run, t, -1, onnx_t, {}, lim))
+        hub.publish_frames(onnx_topic, wire.encode("onnx", run, t, -1, onnx_t, {}, lim))
 
-    def _publish_task(self, task: TrainTask) -> None:
+    def _publish_task(self, task: TrainTask, digest: str | None = None) -> None:
         device = self.hub.device_of(task.client)
         if device is None:
             return
         meta = {"lr": task.lr, "batch_size": task.batch_size, "epochs": task.epochs, "steps": task.steps,
                 "prox_mu": task.prox_mu, "seed": task.seed}
+        if digest is not None:  # the model this task trains on: the update must echo it (stale: rejected)
+            meta["model_digest"] = digest
         if task.dropout_rate is not None:  # FedDD: upload 1 − D of the model, sparse (docs/protocol.md)
             meta |= {"dropout_rate": task.dropout_rate, "sparse_download": task.sparse_download}
         self.hub.publish_frames(f"device/{device}/control", wire.encode(
@@ -80,43 +101,70 @@ class MqttTransport:
         tmp.replace(self.onnx_path)
         with hub.cond:
             hub.reasm.drop(before_round=t)
-            r = hub.round = RoundState(t, {task.client: task for task in tasks}, start)
+            r = hub.round = RoundState(t, {task.client: task for task in tasks}, start, digest=wire.model_digest(w))
             seen_connects = hub.connects
+            down = down0 = hub.downtime(start)  # time disconnected from the broker (coordinator/field/outage.py)
+            lost_at: dict[int, float] = {}  # selected clients lost (offline) without an update, since when
         for task in tasks:  # tasks first: an agent then trains before it evaluates the ONNX model
-            self._publish_task(task)
-        self._publish_model(t, w, onnx_bytes)
+            self._publish_task(task, r.digest)
+        self._publish_model(t, w, onnx_bytes, r.digest)
         deadline = time.monotonic() + hub.cfg.deadline_s  # from the publish; wall_s counts the export too
+        hard_end, extended = deadline + hub.cfg.upload_extension_s, False
         with hub.cond:
             while True:
+                if hub.down_since is not None:  # a broker outage: nobody is dropped, the round stays open
+                    hub.wait_for_broker(f"round {t} is suspended")  # BrokerOutage after --broker-outage-timeout
+                    continue
                 now = time.monotonic()
-                gone = set()
+                shift = hub.downtime(now) - down  # deadlines are suspended while disconnected from the broker
+                deadline, hard_end, down = deadline + shift, hard_end + shift, down + shift
+                gone, awaited = set(), hub.awaited(now)  # awaited: cut off by a broker outage, reconnecting
                 for c in r.tasks:
                     a = hub.by_client.get(c)
-                    if a is None or not hub.is_online(a, now):
+                    if c not in awaited and (a is None or not hub.is_online(a, now)):
                         gone.add(c)  # its update (if complete) still counts; its stats will not come
                         if not r.resolved(c) and c not in r.updates:
                             r.dropped[c] = "offline"
-                if all(r.resolved(c) or c in gone for c in r.tasks) or now >= deadline:
+                lost = {c for c in r.tasks if c not in r.updates and (c in gone or r.dropped.get(c) == "offline")}
+                lost_at = {c: lost_at.get(c, now) for c in lost}
+                settling = any(now - at < LOSS_SETTLE_S for at in lost_at.values())  # outage.py LOSS_SETTLE_S
+                if all(r.resolved(c) or c in gone for c in r.tasks) and not settling:
                     break
+                if now >= deadline:  # past it only while an upload keeps arriving (docs/field-mode.md)
+                    open_for = self._extended_for(r, gone, now, hard_end)
+                    if not open_for:
+                        break
+                    if not extended:
+                        extended = True
+                        log.info("round %d: past the deadline, uploads still arriving: %s", t, ", ".join(
+                            f"client {c} {r.progress[c].row()['chunks']}/{r.progress[c].chunks} chunks"
+                            for c in open_for))
                 resend = set(r.rejoined)
+                broadcast = False
                 if hub.connects != seen_connects:  # we reconnected: re-send everything outstanding
                     seen_connects = hub.connects
-                    resend = set(r.tasks)
+                    resend, broadcast = set(r.tasks), True
                     log.info("round %d: reconnected to the broker; re-sending the model and open tasks", t)
                 resend = {c for c in resend if not r.resolved(c)}
                 r.rejoined.clear()
                 if resend:
                     hub.cond.release()
-                    try:
-                        self._publish_model(t, w, onnx_bytes)
+                    try:  # tasks first, then the model (as at the round's start)
                         for c in sorted(resend):
-                            self._publish_task(r.tasks[c])
+                            self._publish_task(r.tasks[c], r.digest)
+                            if not broadcast:  # a rejoining agent: the model to it alone, on its control topic
+                                device = hub.device_of(c)
+                                if device is not None:
+                                    self._publish_model(t, w, onnx_bytes, r.digest, device=device)
+                        if broadcast:
+                            self._publish_model(t, w, onnx_bytes, r.digest)
                     finally:
                         hub.cond.acquire()
                     continue
-                hub.cond.wait(timeout=min(deadline - now, 0.5))
+                hub.cond.wait(timeout=min(deadline - now, 0.5) if now < deadline else 0.2)
             r.closed = True
             wall_s = time.monotonic() - start
+            outage_s = hub.downtime(time.monotonic()) - down0
         for c in r.tasks:
             if c not in r.updates and c not in r.dropped:
                 r.dropped[c] = "deadline"
@@ -126,22 +174,31 @@ class MqttTransport:
             if m is None:
                 continue
             st, meta = r.stats.get(task.client, {}), m.meta
-            down_s = meta.get("download_s") or 0.0
-            # measured by the agent on this round's real transfers and training (FedDD, FedCS consume them)
-            report = ClientReport(compute_s=meta.get("train_s"), up_Bps=st.get("uplink_Bps"),
-                                  down_Bps=(w.numel() * 4 / down_s) if down_s > 0 else None,
-                                  upload_bytes=m.header.nbytes, download_bytes=w.numel() * 4,
-                                  label_score=meta.get("label_score"))
+            report = client_report(meta, st, m.header.nbytes, w.numel() * 4)
             delta, mask = update_tensors(hub.layout, m, w)
             updates[task.client] = ClientUpdate(task.client, delta, int(meta["num_samples"]), int(meta["steps"]),
                                                 task.lr, float("nan") if meta.get("loss") is None else meta["loss"],
                                                 mask=mask, report=report)
         self.stats = {"upload_bytes": float(sum(u.report.upload_bytes for u in updates.values())),
                       "download_bytes": float(sum(u.report.download_bytes for u in updates.values())),
-                      "rejected_messages": float(sum(r.rejects.values()))}  # all codes; by code in field.jsonl
+                      "rejected_messages": float(sum(r.rejects.values())),  # all codes; by code in field.jsonl
+                      "broker_outage_s": outage_s}  # the round's time disconnected from the broker
         self._log_round(r, updates, wall_s, export_s)
         dropped = {c: why for c, why in r.dropped.items() if c not in updates}
         return updates, dropped
+
+    def _extended_for(self, r: RoundState, gone: set[int], now: float, hard_end: float) -> list[int]:
+        """Clients whose upload keeps the round open past its deadline (`collection.keeps_open`), or whose
+        complete update's stats are still due (sent after the last PUBACK: within the heartbeat timeout of
+        the last chunk). Under the hub's lock."""
+        timeout = self.hub.cfg.heartbeat_timeout_s
+        out = []
+        for c, p in sorted(r.progress.items()):
+            if c in gone or r.resolved(c) or now >= hard_end:
+                continue
+            if keeps_open(p, now, timeout, hard_end) or (c in r.updates and now - p.last_at <= timeout):
+                out.append(c)
+        return out
 
     def round_stats(self) -> dict[str, float]:
         """Tensor bytes of this round's aggregated uploads and their downloads, and the messages rejected
@@ -161,6 +218,8 @@ class MqttTransport:
                                "uplink_Bps": st.get("uplink_Bps"), "upload_bytes": st.get("upload_bytes"),
                                "train_samples_per_s": meta.get("train_samples_per_s"),
                                "arrived_s": r.received_at[c] - r.started}
+            if c in r.progress:  # the upload as the coordinator saw its chunks arrive
+                clients[str(c)]["upload_progress"] = r.progress[c].row()
         row = {"event": "round", "round": r.t, "wall_s": wall_s, "export_s": export_s, "selected": len(r.tasks),
                "participants": len(updates), "dropped": {str(c): why for c, why in sorted(r.dropped.items())},
                "slowest_participant_s": slowest if updates else None,
@@ -169,7 +228,9 @@ class MqttTransport:
                # agents per process, or an agent still evaluating): the coordinator's and broker's share
                "overhead_excl_agent_wait_s": wall_s - slowest_busy if updates else None,
                "duplicates": r.duplicates, "rejected": r.rejected, "rejects": dict(r.rejects),
-               "late_total": self.hub.late, "clients": clients}
+               "late_total": self.hub.late, "clients": clients,
+               # every upload of the round as far as it got (chunks, tensor bytes, seconds first→latest chunk)
+               "uploads": {str(c): p.row() for c, p in sorted(r.progress.items())}}
         with self.hub.cond:
             row["rejects_total"] = dict(self.hub.rejects)
             self.hub.write_log(row)

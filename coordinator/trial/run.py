@@ -4,7 +4,9 @@ group), and the coordinator; waits for the run; stops everything on Ctrl-C or er
 
 Run directory: the coordinator's (config.json, metrics.jsonl, participation.csv, field.jsonl,
 checkpoint.pt, model.pt, model.onnx) plus `agents/<id>/{agent.json,agent.log,trace.csv}`,
-`device_trace.csv` (every agent's own availability trace, docs/traces.md) and `coordinator.log`.
+`device_trace.csv` (every agent's own availability trace, docs/traces.md), `coordinator.log`, and what
+`dropfl trial --resume RUN` needs to start the same trial again: `trial-config.json` (the run's config)
+and `trial.json` (the trial's own options, `TrialOptions`).
 Replay: `dropfl sim --availability replay --trace RUN/participation.csv` with the same options.
 """
 
@@ -15,21 +17,62 @@ import csv
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from coordinator import config
 from coordinator.errors import RunFailure, UserError
+from coordinator.rundir import CHECKPOINT, load_checkpoint_file
 
 log = logging.getLogger("dropfl.trial")
 
 PROFILES = ("steady", "low", "charger", "mains", "flat")
 DEFAULT_PROFILES = ("steady", "low", "charger", "mains")
+TRIAL_JSON, TRIAL_CONFIG = "trial.json", "trial-config.json"
+# what else a trial leaves in its run directory: --overwrite removes these too (and the agents' directories
+# it made); the coordinator removes its own files (coordinator/rundir.py RUN_FILES)
+TRIAL_FILES = (TRIAL_JSON, TRIAL_CONFIG, "device_trace.csv", "coordinator.log", "links.json")
+
+
+@dataclass
+class TrialOptions:
+    """A trial's own options (`dropfl trial` flags beyond the run's config), saved as RUN/trial.json at the
+    first start so that `dropfl trial --resume RUN` starts the same trial again. Paths are absolute."""
+
+    agents: int
+    profiles: list[str]
+    deadline_s: float = 30.0
+    heartbeat_s: float = 0.5
+    max_slowdown: float = 0.0
+    links: str | None = None
+    broker_dir: str | None = None
+    broker_outage_timeout_s: float = 300.0
+
+    def save(self, out: Path) -> None:
+        tmp = out / (TRIAL_JSON + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.replace(out / TRIAL_JSON)
+
+    @classmethod
+    def load(cls, out: Path) -> TrialOptions:
+        path = out / TRIAL_JSON
+        try:
+            opts = cls(**json.loads(path.read_text()))
+            if not isinstance(opts.agents, int) or isinstance(opts.agents, bool) or opts.agents < 1 or \
+                    not isinstance(opts.profiles, list) or not opts.profiles or \
+                    any(p not in PROFILES for p in opts.profiles):
+                raise ValueError(f"agents {opts.agents!r}, profiles {opts.profiles!r}")
+        except (OSError, ValueError, TypeError) as e:  # TypeError: not an object, or keys TrialOptions lacks
+            raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {str(e)[:80]}); restore it "
+                            f"(it holds the trial's options: --agents, --profiles, --deadline, ...)") from None
+        return opts
 
 
 def battery_profile(i: int, seed: int, kind: str) -> tuple[dict, dict]:
@@ -105,7 +148,12 @@ def _interrupt(signum, frame):
 
 def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s: float, heartbeat_s: float,
               max_slowdown: float, progress: bool, links: str | Path | None = None,
-              broker_dir: str | Path | None = None) -> str:
+              broker_dir: str | Path | None = None, broker_outage_timeout_s: float = 300.0,
+              resume: bool = False, overwrite: bool = False) -> str:
+    """Run a trial in `out`. `resume`: the trial in `out` again from its last checkpoint (a new private
+    broker, the same agent configs but for the broker's address, the coordinator with --resume); else a new
+    trial, whose options are saved in `out`/trial.json and config in `out`/trial-config.json first.
+    `overwrite`: replace the run in `out` (the coordinator's --overwrite)."""
     from coordinator.field.netem import Links, load_links
     from coordinator.trial.broker import Mosquitto
     from coordinator.trial.tls import ProvisionedBroker, device_agent_keys, write_private
@@ -115,6 +163,14 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
         raise UserError("--broker-dir cannot be combined with --links (the provisioned broker's listener is its own)")
     tls = device_agent_keys(broker_dir, n) if broker_dir else None  # agent i: device client-<i>'s bundle keys
     net = Links(load_links(links, n)) if links else None  # link emulation (coordinator/field/netem.py)
+    out.mkdir(parents=True, exist_ok=True)
+    if overwrite and not resume:
+        _remove_trial_files(out)
+    if not resume:  # what `dropfl trial --resume` needs, before anything starts
+        TrialOptions(n, list(profiles), deadline_s, heartbeat_s, max_slowdown,
+                     str(Path(links).resolve()) if links else None,
+                     str(Path(broker_dir).resolve()) if broker_dir else None, broker_outage_timeout_s).save(out)
+        (out / TRIAL_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     procs: list[subprocess.Popen] = []
     logs = []
     old = signal.signal(signal.SIGTERM, _interrupt)
@@ -136,15 +192,18 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                         write_private(adir / "agent.json", json.dumps(ac, indent=2) + "\n")
                     else:
                         (adir / "agent.json").write_text(json.dumps(ac, indent=2) + "\n")
-                    logs.append(open(adir / "agent.log", "w"))
+                    if resume:  # keep the first session's own availability trace (the agent starts a new one)
+                        _keep_trace(adir)
+                    logs.append(open(adir / "agent.log", "a" if resume else "w"))
                     prefix = net.exec_prefix(i) if net else []  # inside agent i's network namespace
                     procs.append(subprocess.Popen(prefix + py + ["client", "--config", str(adir / "agent.json")],
                                                   stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
-                trial_cfg = out / "trial-config.json"
-                trial_cfg.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-                logs.append(open(out / "coordinator.log", "w"))
+                trial_cfg = out / TRIAL_CONFIG
+                logs.append(open(out / "coordinator.log", "a" if resume else "w"))
                 cmd = py + ["coordinator", "--config", str(trial_cfg), "--broker", broker.url, "--out", str(out),
-                            "--deadline", str(deadline_s), "--heartbeat-timeout", str(max(10 * heartbeat_s, 5.0))]
+                            "--deadline", str(deadline_s), "--heartbeat-timeout", str(max(10 * heartbeat_s, 5.0)),
+                            "--broker-outage-timeout", str(broker_outage_timeout_s)]
+                cmd += ["--resume"] if resume else ["--overwrite"] if overwrite else []
                 if broker_dir:  # the coordinator's account; --broker above keeps it on 127.0.0.1
                     cmd += ["--broker-config", str(broker.coordinator_json)]
                 coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
@@ -155,7 +214,8 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 print(f"started {n} agents and the coordinator; logs in {out}", file=sys.stderr, flush=True)
                 rc = coord.wait()
                 if rc != 0:
-                    raise RunFailure(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}")
+                    raise RunFailure(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}"
+                                     + (_resume_hint(out) if rc == 1 else ""))
                 for p in procs[:-1]:  # agents exit on the coordinator's "finished"; give them a moment
                     try:
                         p.wait(timeout=10)
@@ -173,6 +233,37 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
         signal.signal(signal.SIGTERM, old)
     merge_traces(out)
     return summarize(out)
+
+
+def _resume_hint(out: Path) -> str:
+    """After a coordinator that failed (a broker outage, say): how to go on, if any round is checkpointed."""
+    try:
+        t = load_checkpoint_file(out / CHECKPOINT)["round"] if (out / CHECKPOINT).exists() else None
+    except UserError:
+        t = None
+    if t is None:
+        return ""
+    return f"; rounds 0..{t} are checkpointed: `dropfl trial --resume {out}` continues the trial from there"
+
+
+def _remove_trial_files(out: Path) -> None:
+    """--overwrite: the trial's own files, and the agents' directories it made (those holding an agent.json),
+    never anything else."""
+    for name in TRIAL_FILES:
+        (out / name).unlink(missing_ok=True)
+    for adir in sorted((out / "agents").glob("*/")) if (out / "agents").is_dir() else []:
+        if (adir / "agent.json").is_file():
+            shutil.rmtree(adir, ignore_errors=True)
+
+
+def _keep_trace(adir: Path) -> None:
+    """Move an agent's trace.csv of an earlier session to trace.<k>.csv (the first free k)."""
+    trace = adir / "trace.csv"
+    if trace.exists():
+        k = 1
+        while (adir / f"trace.{k}.csv").exists():
+            k += 1
+        trace.replace(adir / f"trace.{k}.csv")
 
 
 def merge_traces(out: Path) -> Path:

@@ -41,6 +41,7 @@ from edge_client.agent.config import (
     AgentError,
     AgentModel,
     AgentSection,
+    Brokers,
     broker_address,
     config_from_dict,
     load_config,
@@ -65,7 +66,7 @@ class Agent(Link, Heartbeat, Work):
 
     def __init__(self, cfg: AgentConfig):
         self.cfg, self.id, self.client_idx = cfg, cfg.device_id, cfg.agent.client
-        self.host, self.port = broker_address(cfg.agent.broker)
+        self.brokers = Brokers(cfg.agent.broker, "agent.broker")  # the URL list and failover (link.py)
         try:
             self.battery = make_battery(cfg.battery, self.id)
         except BatteryError as e:
@@ -88,11 +89,14 @@ class Agent(Link, Heartbeat, Work):
         self.connected = threading.Event()
         self._beat_now = threading.Event()
         self.t0 = time.monotonic()
-        self.weights: tuple[str, int, torch.Tensor, float, float] | None = None  # run, round, w, download_s, at
+        # run, round, w, download_s, arrival, model digest, first-to-last chunk seconds (work.py)
+        self.weights: tuple[str, int, torch.Tensor, float | None, float, str, float] | None = None
         self.onnx: tuple[str, int, bytes] | None = None
         self.evaluated: tuple[str, int] | None = None
-        self.task: tuple[str, TrainTask, float] | None = None                # run, task, received at
-        self.cache: tuple[str, int, list[bytes]] | None = None            # last update, for re-sends
+        self.task: tuple[str, TrainTask, float, str | None] | None = None  # run, task, received at, model digest
+        self._task_arrival: tuple[str, int, float] | None = None           # run, round, arrival (monotonic)
+        self._first_chunk_at: dict[tuple, float] = {}                      # a message's first chunk's arrival
+        self.cache: tuple[str, int, str, list[bytes]] | None = None       # last update (run, round, model digest)
         self.rates = {"uplink_Bps": None, "downlink_Bps": None, "train_samples_per_s": None}
         self.rounds_trained = 0
         self._open_trace(Path(cfg.agent.out or f"agents/{self.id}"))
@@ -101,7 +105,7 @@ class Agent(Link, Heartbeat, Work):
 
     # --- life cycle ---
     def start(self) -> None:
-        self.mqtt.connect_async(self.host, self.port, keepalive=self.cfg.agent.keepalive_s)
+        self.mqtt.connect_async(*self.brokers.address, keepalive=self.cfg.agent.keepalive_s)
         self.mqtt.loop_start()
         self._hb_thread.start()
 

@@ -2,9 +2,10 @@
 
 Owns the config sections (`AgentSection`, `AgentData`, `AgentModel`, with `PolicyConfig` and
 `BatteryConfig` from their own modules), reading them (`config_from_dict`, `load_config`), the broker
-URL (`broker_address`), the topic root every MQTT topic hangs under (`TOPIC_ROOT`), the agent's one
-exception (`AgentError`) and its logger (`log`, "dropfl.agent"; pass `extra=who(device_id)` so the
-human line reads `[agent <device>] text`).
+URLs (`broker_address` for one, `broker_urls` for a list, `Brokers` for a client's failover over them),
+the topic root every MQTT topic hangs under (`TOPIC_ROOT`), the agent's one exception (`AgentError`)
+and its logger (`log`, "dropfl.agent"; pass `extra=who(device_id)` so the human line reads
+`[agent <device>] text`).
 
 Config file (TOML or JSON), sections and keys as the dataclasses below, e.g.
 
@@ -62,7 +63,9 @@ def _f(default, **limits):
 class AgentSection:
     client: int = _f(0, minimum=0)         # client index = data shard (0..clients-1)
     device_id: str | None = None           # broker username / topic id (default: client-<client>)
-    broker: str = "mqtt://127.0.0.1:1883"     # mqtts://HOST:PORT = TLS, server checked against ca_file
+    # one URL, a list, or "URL,URL,...": connect to the first, fail over to the next (mqtts:// = TLS, every
+    # server checked against ca_file; all URLs mqtt:// or all mqtts://)
+    broker: str | list[str] = "mqtt://127.0.0.1:1883"
     password: str | None = None                # broker password (username = device_id)
     ca_file: str | None = None                 # CA certificate for mqtts:// (relative to the config file)
     heartbeat_s: float = _f(1.0, gt=0)
@@ -75,6 +78,7 @@ class AgentSection:
     chunk_bytes: int = _f(256 * 1024, minimum=1)
     max_tensor_bytes: int = _f(256 * 1024 ** 2, minimum=1)
     publish_timeout_s: float = _f(60.0, gt=0)
+    upload_window: int = _f(2, minimum=1)  # update chunks in flight at once (a heartbeat waits behind at most these)
 
 
 @dataclass
@@ -120,7 +124,7 @@ def config_from_dict(d: dict) -> AgentConfig:
         raise AgentError(f"agent config: agent.device_id {cfg.agent.device_id!r} must be 1-64 letters, digits, "
                          f"'-' or '_', starting with a letter or digit (it is the MQTT username, a topic level "
                          f"and a directory name); use the name given to `dropfl provision add-device`")
-    broker_address(cfg.agent.broker)  # a bad URL now, not when connecting
+    cfg.agent.broker = ",".join(broker_urls(cfg.agent.broker, "agent.broker"))  # a bad URL now, not when connecting
     return cfg
 
 
@@ -142,3 +146,55 @@ def broker_address(url: str) -> tuple[str, int]:
     if u.scheme not in ("mqtt", "tcp", "mqtts") or not host:
         raise AgentError(expected)
     return host, port or (8883 if u.scheme == "mqtts" else 1883)
+
+
+def broker_urls(value: str | list[str], what: str = "broker") -> list[str]:
+    """The broker URLs of `value` (one URL, "URL,URL,...", or a list of URLs), each checked with
+    `broker_address`; all `mqtt://` or all `mqtts://` (one client has one TLS setting for all)."""
+    if isinstance(value, str):
+        urls = [u.strip() for u in value.split(",")]
+    elif isinstance(value, list) and all(isinstance(u, str) for u in value):
+        urls = [u.strip() for u in value]
+    else:
+        raise AgentError(f"{what} must be a URL, a comma-separated string of URLs or a list of URLs")
+    if not urls or any(not u for u in urls):
+        raise AgentError(f"{what} {value!r}: expected mqtt[s]://HOST[:PORT][,mqtt[s]://HOST[:PORT]...] "
+                         f"without empty entries")
+    for u in urls:
+        broker_address(u)
+    if len({is_tls(u) for u in urls}) > 1:
+        raise AgentError(f"{what} {value!r}: mixes mqtt:// and mqtts:// (all URLs must be TLS, or none)")
+    return urls
+
+
+def is_tls(url: str) -> bool:
+    return url.startswith("mqtts://")
+
+
+class Brokers:
+    """A client's broker URLs and the one it uses now. paho connects to one host: `rotate(client)`,
+    called from on_disconnect and on_connect_fail, points the client at the next URL, and paho's own
+    reconnect (with its backoff, reconnect_delay_set) then connects there."""
+
+    def __init__(self, value: str | list[str], what: str = "broker"):
+        self.urls = broker_urls(value, what)
+        self.addresses = [broker_address(u) for u in self.urls]
+        self.tls = is_tls(self.urls[0])
+        self.i = 0
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.i]
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.addresses[self.i]
+
+    def rotate(self, client) -> str:
+        """Point `client` (paho, disconnected) at the next URL; returns it. paho's `host`/`port` setters
+        refuse while its state is "connection lost" (the state on_disconnect and the reconnect loop run
+        in), so this sets the attributes that its `reconnect()` reads."""
+        if len(self.urls) > 1:
+            self.i = (self.i + 1) % len(self.urls)
+            client._host, client._port = self.address
+        return self.url

@@ -1,13 +1,17 @@
 """The agent's MQTT plumbing (`Link`, a mixin of `Agent`).
 
 Owns the paho client: its creation (username/password, TLS against ca_file for mqtts://, the
-retained "offline" last will, reconnect delays), the status frame (device facts and data binding),
-the callbacks of paho's network thread (on_connect subscribes and announces "online", on_disconnect,
-on_message only queues into `self.inbox`), and publishing: `_publish` for small messages and
-`_send_update` for an update's chunks (paced to uplink_limit_Bps, waits for the broker's PUBACKs,
-then reports the upload's time and rate on update/stats).
+retained "offline" last will, reconnect delays), failover over the broker list (`self.brokers`:
+on_disconnect and on_connect_fail point paho at the next URL, paho's reconnect loop backs off and
+connects there), the status frame (device facts and data binding), the callbacks of paho's network
+thread (on_connect subscribes and announces "online", on_disconnect, on_message queues into
+`self.inbox`, and answers the coordinator's announce request at once), and publishing: `_publish` for small messages and
+`_send_update` for an update's chunks (at most `upload_window` unacknowledged at once, so heartbeats
+pass between them; paced to uplink_limit_Bps; waits for the broker's PUBACKs, then reports the upload's
+time and rate on update/stats). Arrival times handed to the inbox are this host's `time.monotonic()`.
 
-Uses the Agent's cfg, id, client_idx, base, binding, y, inbox, connected, stopping, rates, _beat_now, mqtt.
+Uses the Agent's cfg, id, client_idx, base, binding, brokers, y, inbox, connected, stopping, rates, _beat_now,
+mqtt.
 """
 
 from __future__ import annotations
@@ -26,62 +30,101 @@ class Link:
     def _make_client(self) -> mqtt.Client:
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dropfl-{self.id}", clean_session=True)
         c.username_pw_set(self.id, self.cfg.agent.password)
-        if self.cfg.agent.broker.startswith("mqtts://"):
+        if self.brokers.tls:  # one CA for every URL of the list; each server's host name is checked
             if not self.cfg.agent.ca_file:
                 raise AgentError("broker mqtts://...: set ca_file (the broker's CA certificate)")
             c.tls_set(ca_certs=self.cfg.agent.ca_file)
         c.will_set(f"{self.base}/status", self._status_frame("offline"), qos=1, retain=True)
-        c.reconnect_delay_set(min_delay=0.2, max_delay=2)
+        c.reconnect_delay_set(min_delay=0.2, max_delay=2)  # paho's backoff between attempts (doubles, reset on connect)
         c.max_inflight_messages_set(100)
         c.on_connect, c.on_disconnect, c.on_message = self._on_connect, self._on_disconnect, self._on_message
+        c.on_connect_fail = self._on_connect_fail
         return c
 
-    def _status_frame(self, state: str) -> bytes:
+    def _status_frame(self, state: str, reply: bool = False) -> bytes:
+        """`reply`: an announce answering the coordinator's request, not a (re)connect (docs/protocol.md)."""
         meta: dict = {"state": state, "device": self.id}
         if state == "online":
             meta |= device_facts() | self.binding.to_meta() | {"num_samples": len(self.y)}
+            if reply:
+                meta["reply"] = True
         return wire.encode("status", "", -1, self.client_idx, meta=meta)[0]
+
+    def _announce(self, client: mqtt.Client, reply: bool = False) -> None:
+        """Publish the `online` status (retained: an optimisation for brokers that deliver it to late
+        subscribers; correctness never depends on it) and a heartbeat right away."""
+        client.publish(f"{self.base}/status", self._status_frame("online", reply), qos=1, retain=True)
+        self._beat_now.set()  # a heartbeat right away: it tells the coordinator whether we can train
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error(f"broker refused the connection: {reason_code}", extra=who(self.id))
             return
+        # clean session: subscribe on every connect, whichever broker of the list this is
         client.subscribe([(f"{self.base}/control", 1), (f"{TOPIC_ROOT}/model/#", 1),
                           (f"{TOPIC_ROOT}/coordinator/status", 1)])
-        client.publish(f"{self.base}/status", self._status_frame("online"), qos=1, retain=True)
+        log.info(f"connected to {self.brokers.url}", extra=who(self.id))
         self.connected.set()
-        self._beat_now.set()  # a heartbeat right away: it tells the coordinator whether we can train
+        self._announce(client)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
+        if not self.stopping.is_set():
+            url = self.brokers.rotate(client)
+            log.warning(f"disconnected from the broker ({reason_code}); reconnecting to {url}", extra=who(self.id))
+
+    def _on_connect_fail(self, client, userdata) -> None:
+        failed, url = self.brokers.url, self.brokers.rotate(client)
+        log.warning(f"could not connect to {failed}; trying {url}", extra=who(self.id))
 
     def _on_message(self, client, userdata, msg) -> None:
-        self.inbox.put((msg.topic, msg.payload, bool(msg.retain), time.time()))
+        if msg.topic == f"{TOPIC_ROOT}/coordinator/status" and not msg.retain and self._announce_requested(msg.payload):
+            self._announce(client, reply=True)  # here, not in the inbox: the main thread may be training
+        self.inbox.put((msg.topic, msg.payload, bool(msg.retain), time.monotonic()))  # arrival, this host's clock
+
+    @staticmethod
+    def _announce_requested(payload: bytes) -> bool:
+        """The coordinator's non-retained "online" frame with `announce`: it (re)connected and asks
+        every agent for its status, because retained statuses may not reach it (RabbitMQ)."""
+        try:
+            h, _ = wire.decode_frame(payload)
+        except wire.WireError:
+            return False
+        return h.kind == "coordinator" and h.meta.get("state") == "online" and h.meta.get("announce") is True
 
     # --- publishing (main thread) ---
     def _publish(self, sub: str, frames: list[bytes], qos: int = 1) -> None:
         for f in frames:
             self.mqtt.publish(f"{self.base}/{sub}", f, qos=qos)
 
+    def _acked(self, info, rnd: int) -> bool:
+        """Wait for one chunk's PUBACK (publish_timeout_s at most); raises RuntimeError/ValueError if lost."""
+        info.wait_for_publish(timeout=self.cfg.agent.publish_timeout_s)
+        if not info.is_published():
+            log.warning(f"round {rnd}: upload not acknowledged within {self.cfg.agent.publish_timeout_s} s",
+                        extra=who(self.id))
+            return False
+        return True
+
     def _send_update(self, run: str, rnd: int, frames: list[bytes]) -> None:
-        """Publish the update's chunks, wait for the broker's PUBACKs, then report the upload time."""
+        """Publish the update's chunks with at most `upload_window` unacknowledged at once (the next chunk
+        waits for the broker's PUBACK of the one `upload_window` back, so a heartbeat, published by its own
+        thread, waits behind at most that many chunks), then report the upload time on update/stats."""
         start = time.perf_counter()
-        infos, sent, limit = [], 0, self.cfg.agent.uplink_limit_Bps
-        for f in frames:
-            infos.append(self.mqtt.publish(f"{self.base}/update/delta", f, qos=1))
-            sent += len(f)
-            ahead = sent / limit - (time.perf_counter() - start) if limit > 0 else 0.0
-            if ahead > 0 and self.stopping.wait(ahead):
-                return
+        infos, sent, limit, window = [], 0, self.cfg.agent.uplink_limit_Bps, self.cfg.agent.upload_window
         try:
-            for info in infos:
-                info.wait_for_publish(timeout=self.cfg.agent.publish_timeout_s)
+            for f in frames:
+                if len(infos) >= window and not self._acked(infos[-window], rnd):
+                    return
+                infos.append(self.mqtt.publish(f"{self.base}/update/delta", f, qos=1))
+                sent += len(f)
+                ahead = sent / limit - (time.perf_counter() - start) if limit > 0 else 0.0
+                if ahead > 0 and self.stopping.wait(ahead):
+                    return
+            if not all(self._acked(info, rnd) for info in infos):
+                return
         except (RuntimeError, ValueError) as e:
             log.warning(f"round {rnd}: upload interrupted ({e}); it is re-sent if the coordinator asks again",
-                        extra=who(self.id))
-            return
-        if not all(i.is_published() for i in infos):
-            log.warning(f"round {rnd}: upload not acknowledged within {self.cfg.agent.publish_timeout_s} s",
                         extra=who(self.id))
             return
         upload_s = time.perf_counter() - start

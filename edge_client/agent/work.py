@@ -14,6 +14,7 @@ reasm, limits, battery, stopping, rates, weights, onnx, evaluated, task, cache, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -30,13 +31,20 @@ def _finite(v: float) -> float | None:
 
 class Work:
     def _handle(self, topic: str, payload: bytes, retained: bool, received: float) -> None:
+        """`received`: the frame's arrival on this host's monotonic clock (Link._on_message)."""
         try:
             msg = self.reasm.add(payload)
         except wire.WireError as e:
             log.warning(f"rejected a message on {topic}: {e.reason}", extra=who(self.id))
             return
-        if msg is None:
+        last = self.reasm.last
+        key = (last.run, last.round, last.kind, last.sha256)
+        if msg is None:  # a chunk: note when the message's first chunk arrived (download time)
+            if len(self._first_chunk_at) > 64:
+                self._first_chunk_at.clear()
+            self._first_chunk_at.setdefault(key, received)
             return
+        first_at = self._first_chunk_at.pop(key, received)
         h = msg.header
         if h.kind == "coordinator":
             if msg.meta.get("state") == "finished" and not retained and self.cfg.agent.exit_when_done:
@@ -48,9 +56,20 @@ class Work:
                 log.warning(f"rejected a global model of {h.dtype} {h.shape} (expected float32 [{n}])",
                             extra=who(self.id))
                 return
-            download_s = max(received - h.sent_at, 0.0)
-            self.weights = (h.run, h.round, msg.tensor, download_s, received)
-            if download_s > 0:
+            digest = wire.model_digest(msg.tensor)
+            if msg.meta.get("model_digest") not in (None, digest):
+                log.warning(f"rejected a global model whose digest {digest} is not the one it names "
+                            f"({str(msg.meta['model_digest'])[:64]})", extra=who(self.id))
+                return
+            # download time on this host's monotonic clock (never the coordinator's sent_at): from the arrival
+            # of the round's task (published just before the model) or of the model's first chunk, whichever
+            # came first, to the arrival of its last chunk; None if that is not measurable (docs/protocol.md)
+            start = first_at
+            if self._task_arrival is not None and self._task_arrival[:2] == (h.run, h.round):
+                start = min(start, self._task_arrival[2])
+            download_s = received - start if received > start else None
+            self.weights = (h.run, h.round, msg.tensor, download_s, received, digest, received - first_at)
+            if download_s is not None:
                 self.rates["downlink_Bps"] = h.nbytes / download_s
         elif h.kind == "onnx" and msg.tensor is not None and msg.tensor.dtype == torch.uint8:
             self.onnx = (h.run, h.round, msg.tensor.numpy().tobytes())
@@ -63,14 +82,25 @@ class Work:
             log.warning(f"rejected a task for client {h.client} (this agent is client {self.client_idx})",
                         extra=who(self.id))
             return
+        self._task_arrival = (h.run, h.round, received)  # the model follows it (its download time, `_handle`)
+        digest = m.get("model_digest")  # the model the task trains on (None: any model of its round)
         reason = self.policy_reason()
+        if reason == "offline" and not self.connected.is_set():
+            # a task that reached us just before the broker went away: a decline would arrive only once we
+            # are back online, and then untrue. The coordinator re-sends open tasks when we rejoin.
+            log.info(f"round {h.round}: task received as the broker went away; it comes again when we are back",
+                     extra=who(self.id))
+            return
         if reason is not None:
             self._publish("update/decline", wire.encode("decline", h.run, h.round, self.client_idx,
                                                          meta={"reason": reason}))
             return
         if self.cache is not None and self.cache[:2] == (h.run, h.round):
-            self._send_update(h.run, h.round, self.cache[2])  # re-request after a reconnect: same update
-            return
+            if digest is None or digest == self.cache[2]:  # re-request after a reconnect: the same update
+                self._send_update(h.run, h.round, self.cache[3])
+                return
+            log.info(f"round {h.round}: the cached update was trained on model {self.cache[2]}, the task's is "
+                     f"{digest}: training again", extra=who(self.id))
         try:
             steps, epochs, rate = m.get("steps"), m.get("epochs"), m.get("dropout_rate")
             task = TrainTask(client=self.client_idx, round=h.round, lr=float(m["lr"]),
@@ -84,18 +114,18 @@ class Work:
         except (KeyError, TypeError, ValueError) as e:
             log.warning(f"rejected a malformed task for round {h.round}: {e!r}", extra=who(self.id))
             return
-        self.task = (h.run, task, received)
+        self.task = (h.run, task, received, digest)
 
     def _work(self) -> None:
         ready = self.task is not None and self.weights is not None
-        if ready and self.weights[:2] == (self.task[0], self.task[1].round):
-            (run, task, task_at), self.task = self.task, None
-            wait_s = max(time.time() - max(task_at, self.weights[4]), 0.0)  # busy with earlier messages
+        if ready and self.weights[:2] == (self.task[0], self.task[1].round) and self.task[3] in (None, self.weights[5]):
+            (run, task, task_at, _), self.task = self.task, None
+            wait_s = max(time.monotonic() - max(task_at, self.weights[4]), 0.0)  # busy with earlier messages
             self._train_and_upload(run, task, self.weights[2], self.weights[3], wait_s)
         if self.task is None and self.onnx is not None and self.onnx[:2] != self.evaluated:
             self._evaluate(*self.onnx)
 
-    def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float,
+    def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float | None,
                           wait_s: float = 0.0) -> None:
         start = time.perf_counter()
         sparse_payload = None
@@ -112,17 +142,31 @@ class Work:
         self.battery.training(train_s)
         samples = r.steps * min(task.batch_size, len(self.y))
         self.rates["train_samples_per_s"] = samples / train_s if train_s > 0 else None
+        digest = self.weights[5] if self.weights is not None and self.weights[2] is w else wire.model_digest(w)
         meta = {"num_samples": r.num_samples, "steps": r.steps, "loss": _finite(r.loss), "train_s": train_s,
-                "download_s": download_s, "wait_s": wait_s, "train_samples_per_s": self.rates["train_samples_per_s"]}
+                "download_s": download_s, "wait_s": wait_s, "train_samples_per_s": self.rates["train_samples_per_s"],
+                "model_digest": digest}
+        if self.weights is not None and self.weights[2] is w:
+            meta["download_span_s"] = self.weights[6]  # the model's first chunk to its last, this host's clock
         body = r.delta
         if sparse_payload is not None:
             body = torch.frombuffer(bytearray(sparse_payload), dtype=torch.uint8)
             meta |= {"encoding": feddd.WIRE_ENCODING, "dropout_rate": task.dropout_rate,
                      "label_score": self.label_score}
-        frames = wire.encode("update", run, task.round, self.client_idx, body, meta, self.limits)
-        self.cache = (run, task.round, frames)
+        frames = wire.encode("update", run, task.round, self.client_idx, body, meta, self._upload_limits())
+        self.cache = (run, task.round, digest, frames)
         self.rounds_trained += 1
         self._send_update(run, task.round, frames)
+
+    def _upload_limits(self) -> wire.Limits:
+        """Chunks small enough that one takes at most heartbeat_s at the uplink rate measured on the last
+        upload (at least 4 KiB, at most chunk_bytes): something reaches the coordinator at least that often
+        while an upload is in progress (docs/field-mode.md "Liveness")."""
+        up = self.rates.get("uplink_Bps")
+        if not up:
+            return self.limits
+        chunk = max(4096, int(up * self.cfg.agent.heartbeat_s))
+        return dataclasses.replace(self.limits, chunk_bytes=chunk) if chunk < self.limits.chunk_bytes else self.limits
 
     def _evaluate(self, run: str, rnd: int, model_bytes: bytes) -> None:
         import onnxruntime as ort

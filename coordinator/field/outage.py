@@ -1,0 +1,144 @@
+"""Field mode: a broker outage (the coordinator disconnected from the broker) opens and closes no round.
+
+`Outage` is part of the coordinator's `Connection` (coordinator/field/connection.py), under the hub's lock
+`cond`. paho's network thread marks where an outage begins (`_outage_began`, on an unexpected disconnect)
+and ends (`_outage_ended`, on the reconnect). The loop's thread never acts on what it cannot see while
+disconnected:
+
+- `FieldAvailability.round` (registry.py) starts no round while disconnected: it `wait_until_settled`s.
+- `MqttTransport.run_round` (transport.py) neither drops clients nor closes the round while disconnected:
+  it `wait_for_broker`s, and the round's deadline moves by the time spent disconnected (`downtime`).
+- Agents alive when the broker went away (by their heartbeats: an `offline` last will that a broker
+  shutting down sends counts for nothing) are `awaited` after the reconnect: for `AGENT_RECONNECT_S`
+  (their own reconnect, paho's backoff) plus a heartbeat timeout, until heard from again. Meanwhile the
+  open round does not count them as gone (their outage-time `offline` drop is undone), and the next round
+  waits for them before it looks who is available.
+- `wait_for_broker` logs that it is waiting, with the time so far, and raises `BrokerOutage` (a RunFailure,
+  exit 1) once the outage has lasted `--broker-outage-timeout`; coordinator/field/run.py then saves the
+  last finished round's checkpoint and says how to resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from coordinator.errors import RunFailure
+
+if TYPE_CHECKING:
+    from coordinator.field.collection import RoundState
+    from coordinator.field.connection import FieldConfig
+    from coordinator.field.registry import AgentInfo
+
+log = logging.getLogger("dropfl.coordinator")
+
+AGENT_RECONNECT_S = 3.0  # an agent's own reconnect after an outage: paho's backoff (at most 2 s) and the connect
+LOG_EVERY_S = 10.0       # while waiting for the broker, say so this often
+# a round whose last outstanding clients went offline less than this ago does not close yet: a broker that
+# is going down may send their last wills just before it cuts the coordinator off (`_outage_ended` undoes them)
+LOSS_SETTLE_S = 0.5
+
+
+class BrokerOutage(RunFailure):
+    """The broker stayed unreachable for longer than `--broker-outage-timeout`."""
+
+
+class Outage:
+    """The coordinator's broker outages. Uses the hub's `cfg`, `cond`, `agents` and `is_online`
+    (registry.py), `round` (collection.py)."""
+
+    cfg: FieldConfig
+    cond: threading.Condition
+    agents: dict[str, AgentInfo]
+    round: RoundState | None
+
+    def _init_outage(self) -> None:
+        self.down_since: float | None = None  # monotonic time the connection was lost; None: not in an outage
+        self.downtime_s = 0.0                 # time spent in outages that have ended
+        self.outages = 0
+        self._alive_at_outage: set[str] = set()
+        self.expected_back: set[str] = set()  # devices awaited after the last outage (`awaited`)
+        self.reconnected_at = self.back_by = 0.0
+
+    # --- paho's network thread, under cond ---
+    def _outage_began(self) -> None:
+        if self.down_since is not None:
+            return
+        now = self.down_since = time.monotonic()
+        self.outages += 1
+        # alive by its heartbeats, whatever its status says: a broker going down may send last wills first
+        self._alive_at_outage = {d for d, a in self.agents.items()
+                                 if not a.mismatch and self.is_online(dataclasses.replace(a, online=True), now)}
+        self._alive_at_outage |= self.expected_back if now < self.back_by else set()  # still awaited
+        self.cond.notify_all()
+
+    def _outage_ended(self) -> None:
+        if self.down_since is None:
+            return
+        now = time.monotonic()
+        lasted, self.down_since = now - self.down_since, None
+        self.downtime_s += lasted
+        self.reconnected_at, self.back_by = now, now + AGENT_RECONNECT_S + self.cfg.heartbeat_timeout_s
+        self.expected_back, self._alive_at_outage = self._alive_at_outage, set()
+        r = self.round
+        if r is not None and not r.closed:  # drops for `offline` around the outage: it decides them, not them
+            for d in self.expected_back:
+                a = self.agents.get(d)
+                if a is not None and r.dropped.get(a.client) == "offline" and a.client not in r.updates:
+                    del r.dropped[a.client]
+        log.info("the broker is back after %.1f s; awaiting %d agents for up to %.0f s", lasted,
+                 len(self.expected_back), self.back_by - now)
+        self.cond.notify_all()
+
+    # --- the loop's thread, under cond ---
+    def downtime(self, now: float) -> float:
+        """Seconds spent disconnected from the broker so far (outages after the first connect)."""
+        return self.downtime_s + (now - self.down_since if self.down_since is not None else 0.0)
+
+    def awaited(self, now: float) -> set[int]:
+        """Clients alive when the broker went away, not heard from since it came back, while they may still
+        be reconnecting (until `back_by`)."""
+        if self.down_since is not None or not self.expected_back:
+            return set()
+        if now >= self.back_by:
+            self.expected_back = set()
+            return set()
+        out = set()
+        for d in list(self.expected_back):
+            a = self.agents.get(d)
+            if a is None:
+                self.expected_back.discard(d)
+            elif a.online and a.last_heartbeat >= self.reconnected_at:  # its status or a heartbeat: back
+                self.expected_back.discard(d)
+            else:
+                out.add(a.client)
+        return out
+
+    def wait_until_settled(self, what: str) -> None:
+        """Return once connected and no agent is `awaited` any more (BrokerOutage as `wait_for_broker`)."""
+        while True:
+            self.wait_for_broker(what)
+            now = time.monotonic()
+            if not self.awaited(now):
+                return
+            self.cond.wait(timeout=max(min(self.back_by - now, 0.5), 0.01))
+
+    def wait_for_broker(self, what: str) -> None:
+        """Return once connected (at once if not in an outage). `what` waits meanwhile ("round 3 is
+        suspended"). Raises BrokerOutage once the outage has lasted `cfg.broker_outage_timeout_s`."""
+        limit, next_log = self.cfg.broker_outage_timeout_s, 0.0
+        while self.down_since is not None:
+            now = time.monotonic()
+            down = now - self.down_since
+            if down >= limit:
+                raise BrokerOutage(f"the broker {self.cfg.broker} has been unreachable for {down:.0f} s "
+                                   f"(--broker-outage-timeout {limit:g})")
+            if now >= next_log:
+                log.warning("waiting for the broker %s: unreachable for %.0f s so far; %s (giving up after %g s, "
+                            "--broker-outage-timeout)", self.cfg.broker, down, what, limit,
+                            extra={"fields": {"outage_s": round(down, 3), "waiting": what}})
+                next_log = now + LOG_EVERY_S
+            self.cond.wait(timeout=max(min(limit - down, next_log - now), 0.01))
