@@ -473,7 +473,7 @@ def no_network(monkeypatch):
 
     def agent_run(self):  # what Agent.run does before it waits on the broker
         try:
-            self.mqtt.connect_async(self.host, self.port, keepalive=self.cfg.agent.keepalive_s)
+            self.mqtt.connect_async(*self.brokers.address, keepalive=self.cfg.agent.keepalive_s)
         finally:
             self._trace_file.close()
 

@@ -60,7 +60,7 @@ class RogueAgent(Agent):
         n, meta = w.numel(), {"num_samples": len(self.y), "steps": 2}
         if t == 1:
             assert self.cache is not None and self.cache[1] == 0
-            self._publish("update/delta", self.cache[2])  # round 0's update again
+            self._publish("update/delta", self.cache[3])  # round 0's update again (cache: run, round, digest, frames)
             bad = torch.full((n,), float("nan"))
         elif t == 2:
             bad = torch.zeros(10, n // 10)                  # the model's size, not its shape
