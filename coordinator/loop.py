@@ -13,7 +13,11 @@ Nothing in here knows whether clients are simulated or real.
 A replayed participation log (`--availability replay`) answers with a `LoggedRound`, which also holds
 the recorded selection and the recorded after-selection drops. The loop then still calls
 `strategy.select` exactly as the recorded run did, but trains and aggregates the recorded selection,
-and drops the recorded dropouts after the transport, with their reasons (docs/traces.md, exact replay).
+and drops the recorded dropouts after the transport, with their reasons (a client that declined its
+task is not trained at all: `DECLINED`) (docs/traces.md, exact replay).
+With the recorded run's reports.jsonl, the round's updates carry the recorded measurements
+(`ClientReport`) instead of the transport's, so strategies that use them (FedDD's allocation, FedCS's
+estimates) see what the recorded run's strategy saw. Every run writes reports.jsonl (coordinator/reports.py).
 """
 
 from __future__ import annotations
@@ -23,19 +27,25 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from coordinator.availability.models import RoundAvailability
+from coordinator.reports import task_row
 from coordinator.rundir import RunDir
 from coordinator.strategies.base import ClientUpdate, Strategy
 from coordinator.strategies.schedule import lr_at
 from edge_client.trainer import TrainTask
 
 log = logging.getLogger("dropfl.replay")
+
+# Reasons of a recorded drop whose device declined its task (the agent's policy) and so did not train: a replay
+# does not train it either (FedDD's device memory then follows the recorded run). Other drops (deadline,
+# rejected, offline) trained, or may have, and train in the replay; none of them is aggregated.
+DECLINED = ("battery", "charging", "slow_link", "declined")
 
 
 class Transport(Protocol):
@@ -85,10 +95,12 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
             if "transport" in ck and hasattr(transport, "load_state_dict"):  # absent in older checkpoints
                 transport.load_state_dict(ck["transport"])
     plog = rundir.participation_log(resume_from_round=start if resume else None)
+    rlog = rundir.reports_log(resume_from_round=start if resume else None)
     metrics = rundir.metrics_writer(resume_from_round=start if resume else None)
     bar = _progress(cfg.rounds, start, progress)
     t0 = time.perf_counter()
     differs: list[int] = []  # replay: rounds where the strategy would have selected other clients than the log
+    told: set[str] = set()   # replay with recorded reports: what was said once already
     for t in range(start, cfg.rounds):
         tick = time.perf_counter()
         avail = availability.round(t)
@@ -102,17 +114,22 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         tasks = [strategy.configure(state, t, TrainTask(client=i, round=t, lr=lr, batch_size=cfg.batch_size,
                                                         epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed))
                  for i in selected]
-        updates, dropped = transport.run_round(t, w, tasks)
         drops = getattr(avail, "drops", None)  # a replayed log: dropped after selection, with the reason
+        trained = [task for task in tasks if not drops or drops.get(task.client) not in DECLINED]
+        updates, dropped = transport.run_round(t, w, trained)
         if drops:
             updates = {i: u for i, u in updates.items() if i not in drops}
             dropped = {**dropped, **drops}  # drops ⊆ the recorded selection = selected
+        recorded = getattr(avail, "reports", None)  # a replayed log with reports.jsonl: what the clients measured
+        if recorded is not None:
+            updates = _recorded_reports(strategy, t, updates, tasks, recorded, avail.tasks or {}, told)
         w, state = strategy.aggregate(state, t, w, updates)
         if not torch.isfinite(w).all():
             raise FloatingPointError(f"round {t}: the global model is no longer finite (lr too high?)")
         if updates:
             counters["uploads"] += strategy.uploads_per_round
             counters["client_uploads"] += strategy.uploads_per_round * len(updates)
+        rlog.write_round(t, updates, tasks)  # before the participation row: a log's rounds all have reports
         plog.write_round(t, cfg.n_clients, avail, selected, set(updates), dropped)
         row = {"round": t, "lr": lr, "uploads": counters["uploads"], "client_uploads": counters["client_uploads"],
                "available": int(avail.available.sum()), "selected": len(selected), "participants": len(updates),
@@ -161,6 +178,32 @@ def _selection_differs(strategy: Strategy, t: int, selected: list[int], logged: 
                     "differ, e.g. FedCS's measured times in a field trial)", t, strategy.name,
                     sorted(selected), list(logged),
                     extra={"fields": {"round": t, "strategy_selected": sorted(selected), "log_selected": list(logged)}})
+
+
+def _recorded_reports(strategy: Strategy, t: int, updates: dict[int, ClientUpdate], tasks: list[TrainTask],
+                      recorded: dict, recorded_tasks: dict[int, dict], told: set[str]) -> dict[int, ClientUpdate]:
+    """The round's updates with the recorded run's measurements in place of the transport's (a client the
+    recorded run did not aggregate keeps its own, said once). A task parameter that differs from the
+    recorded one (FedDD's dropout rate: another strategy or other settings) is said once, not replaced."""
+    out = {}
+    for i, u in updates.items():
+        if i in recorded:
+            rec = recorded[i]
+            out[i] = replace(u, report=None if rec is None else replace(rec))
+        else:
+            out[i] = u
+            if "report" not in told:
+                told.add("report")
+                log.warning("replay: round %d: reports.jsonl has no measurement of client %d; its update carries "
+                            "the simulation's own (said once)", t, i)
+    for task in tasks:
+        mine, theirs = task_row(task), recorded_tasks.get(task.client)
+        if mine is not None and theirs is not None and mine != theirs and "task" not in told:
+            told.add("task")
+            log.warning("replay: round %d: %s sets client %d's task to %s, the recorded run's was %s (another "
+                        "strategy or other settings; said once)", t, strategy.name, task.client, mine, theirs,
+                        extra={"fields": {"round": t, "client": task.client, "task": mine, "recorded_task": theirs}})
+    return out
 
 
 def _mean(xs: list[float]) -> float | None:

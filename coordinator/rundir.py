@@ -3,6 +3,7 @@
     config.json        resolved configuration (pass back with --config to rerun)
     metrics.jsonl      one JSON object per round (schema in docs/run-directory.md)
     participation.csv  who took part in each round and why the others did not (docs/traces.md)
+    reports.jsonl      what the clients measured (compute time, link rates, bytes) and the tasks set from it
     checkpoint.pt      last completed round: global model, strategy state, counters (for --resume)
     checkpoint.prev.pt the checkpoint before it, kept in case the last one is damaged
     model.pt           final global model (state_dict)
@@ -25,11 +26,13 @@ import torch
 
 from coordinator.availability.participation import ParticipationLog
 from coordinator.errors import UserError
+from coordinator.reports import ReportsLog
 
 # Files whose presence means "this directory holds a run"; --overwrite removes exactly these (and field
 # mode's), never anything else a user put there.
-RUN_FILES = ("config.json", "metrics.jsonl", "participation.csv", "checkpoint.pt", "checkpoint.prev.pt",
-             "model.pt", "model.onnx", "field.json", "field.jsonl", "log.txt", "log.jsonl", "crash.log")
+RUN_FILES = ("config.json", "metrics.jsonl", "participation.csv", "reports.jsonl", "checkpoint.pt",
+             "checkpoint.prev.pt", "model.pt", "model.onnx", "field.json", "field.jsonl", "log.txt", "log.jsonl",
+             "crash.log")
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
 
 
@@ -159,6 +162,9 @@ class RunDir:
 
     def participation_log(self, resume_from_round: int | None = None) -> ParticipationLog:
         return ParticipationLog(self.file("participation.csv"), resume_from_round)
+
+    def reports_log(self, resume_from_round: int | None = None) -> ReportsLog:
+        return ReportsLog(self.file("reports.jsonl"), resume_from_round)
 
     def metrics_writer(self, resume_from_round: int | None = None) -> MetricsWriter:
         return MetricsWriter(self.file("metrics.jsonl"), resume_from_round)

@@ -111,9 +111,10 @@ _cached_load = functools.lru_cache(maxsize=1)(_load)
 
 
 def sim_model(out: Path, rounds: int, algo: str, trace: Path | None, clients: int | None = None,
-              steps: int = 2) -> dict[str, torch.Tensor]:
+              steps: int = 2, extra: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The same run in simulation (threads 1), replaying `trace` if given, else all clients always on.
-    `clients`, `steps`: for runs that differ from SETTINGS and coordinator_cmd's defaults."""
+    `clients`, `steps`: for runs that differ from SETTINGS and coordinator_cmd's defaults; `extra`: more
+    flags (a strategy's options)."""
     from coordinator import config
     from coordinator.sim.run import run_sim
     from coordinator.strategies import STRATEGIES
@@ -122,7 +123,7 @@ def sim_model(out: Path, rounds: int, algo: str, trace: Path | None, clients: in
     argv = ["--clients", str(clients or SETTINGS["clients"]), "--model", SETTINGS["model"], "--partition",
             SETTINGS["partition"], "--seed", str(SETTINGS["seed"]), "--steps", str(steps), "--lr", "0.05",
             "--threads", "1",
-            "--rounds", str(rounds), "--algo", algo, "--out", str(out)]
+            "--rounds", str(rounds), "--algo", algo, "--out", str(out), *extra]
     if trace is not None:
         argv += ["--availability", "replay", "--trace", str(trace)]
     import argparse

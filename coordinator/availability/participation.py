@@ -14,12 +14,16 @@ arrive or was rejected; reason says why).
 
 The statuses keep three things apart: availability (unavailable vs the rest), the strategy's selection
 (participated + dropped), and what happened after selection (dropped vs participated). `Replay` gives all
-three back to the round loop (`LoggedRound`), so a replay reproduces the recorded run exactly.
+three back to the round loop (`LoggedRound`), so a replay reproduces the recorded run exactly. When the
+recorded run's `reports.jsonl` is beside the log (coordinator/reports.py), a replay of the log's selection
+also gives back what the clients measured (`LoggedRound.reports`) and the tasks the strategy set from it
+(`LoggedRound.tasks`, FedDD's dropout rates).
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +32,10 @@ import numpy as np
 
 from coordinator.availability.models import REASONS, RoundAvailability
 from coordinator.errors import UserError
+from coordinator.reports import read_reports
+from edge_client.report import ClientReport
+
+log = logging.getLogger("dropfl.replay")
 
 FIELDS = ("round", "client", "status", "reason")
 STATUSES = ("participated", "unavailable", "not_selected", "dropped")
@@ -38,10 +46,15 @@ class LoggedRound(RoundAvailability):
     """A recorded round: who was available (`available`, `reasons`), whom the strategy selected
     (`selected`: participated + dropped, ascending) and which of them dropped after selection, with the
     recorded reason (`drops`). The round loop uses the recorded selection instead of the strategy's and
-    leaves the dropped clients' updates out of the aggregate (coordinator/loop.py; docs/traces.md)."""
+    leaves the dropped clients' updates out of the aggregate (coordinator/loop.py; docs/traces.md).
+    With the recorded run's reports.jsonl: `reports`, what each aggregated client measured (its updates in
+    the replay carry these instead of the simulation's), and `tasks`, the task parameters the strategy
+    set from them ({client: {dropout_rate, sparse_download}}, FedDD); None without reports.jsonl."""
 
     selected: list[int] = field(default_factory=list)
     drops: dict[int, str] = field(default_factory=dict)
+    reports: dict[int, ClientReport | None] | None = None
+    tasks: dict[int, dict] | None = None
 
 
 class ParticipationLog:
@@ -139,7 +152,8 @@ class Replay:
     def __init__(self, path: str | Path, n_clients: int, selection: str = "log"):
         """Reads and checks the whole log up front (so a bad log fails before a run starts): integer
         round >= 0 and client in 0..n_clients-1, a known status and reason, one row per (round,
-        client), and every client in every round 0..last."""
+        client), and every client in every round 0..last. With selection "log", the recorded run's
+        reports.jsonl beside the log (if there) too: a row for every round of the log."""
         if selection not in ("log", "strategy"):
             raise ValueError(f"selection {selection!r}")
         self.n, self.selection = n_clients, selection
@@ -193,6 +207,23 @@ class Replay:
                 raise UserError(f"--trace: {path}: round {t} has no row for client{'s' if len(missing) > 1 else ''} "
                                 f"{_spans(missing)} (--clients {n_clients}); replay with the --clients of the "
                                 f"recorded run (the log has a row for every client in every round)")
+        self.reports_path: Path | None = None
+        reports = Path(path).with_name("reports.jsonl")
+        if selection == "log" and reports.is_file():
+            self._attach_reports(reports, n_clients)
+
+    def _attach_reports(self, path: Path, n_clients: int) -> None:
+        """The recorded measurements and tasks, round by round, onto the logged rounds."""
+        recorded = read_reports(path, n_clients)
+        lacking = _gaps(set(recorded) & set(range(self.rounds)) | {self.rounds})
+        if lacking:
+            raise UserError(f"--trace: {path} lacks rounds {_fmt_spans(lacking)} of the log beside it; restore "
+                            f"it, or move it away to replay with the simulation's own measurements")
+        for t, ra in self.table.items():
+            ra.reports, ra.tasks = recorded[t].reports, recorded[t].tasks
+        self.reports_path = path
+        log.info("replay: the clients' measurements (compute time, link rates, bytes) and the tasks set from "
+                 "them come from %s", path)
 
     @staticmethod
     def _int(where: str, r: dict, col: str, fix: str) -> int:
