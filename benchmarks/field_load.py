@@ -1,12 +1,24 @@
-"""Field-mode load: 100 agents (10 per process) × 20 rounds through one private mosquitto on 127.0.0.1.
+"""Field-mode fleet: 100, 300 and 1,000 agents × 20 rounds through one private mosquitto on 127.0.0.1.
 
-Checks that no update is lost or duplicated (every agent counts the updates it trained and uploaded;
-the coordinator counts what it aggregated and what it discarded as a redelivery), and reports the
-round overhead = round wall time − the slowest participant's download + train + upload time. Then a
-normal `dropfl trial` (10 agents with modelled batteries × 20 rounds) for the same overhead figure,
-its battery dropouts, and its replay in simulation.
+Agents run in-process, many per worker process (`edge_client.agent.Agent` objects, one thread each plus
+its heartbeat thread and paho's network thread; the dataset and its partition are loaded once per
+process, `edge_client/agent/data.py` `_federation`). For every fleet size it checks that no update is
+lost or duplicated (every agent counts the updates it trained and uploaded; the coordinator counts
+what it aggregated and what it discarded as a redelivery; participation.csv must show every selected
+client as a participant every round) and measures:
 
-    .venv/bin/python benchmarks/field_load.py            # writes benchmarks/results/field_load.{json,md}
+- the coordinator's CPU seconds per round (psutil at each round's `field.jsonl` row; total from
+  wait4's rusage) and its peak RSS (rusage `ru_maxrss`);
+- the round overhead = round wall time − the slowest participant's download + train + upload
+  (`field.jsonl` `overhead_s`, and `overhead_excl_agent_wait_s`);
+- the broker's and the agent workers' CPU per round and their memory.
+
+At the largest size the run's participation log is replayed in `dropfl sim` (same model expected).
+Then a normal `dropfl trial` (10 agents with modelled batteries) for its dropouts and its replay.
+`--profile N` instead runs N agents under py-spy (the coordinator's CPU by function).
+
+    .venv/bin/python benchmarks/field_load.py        # writes benchmarks/results/field_load.{json,md,png}
+    .venv/bin/python benchmarks/field_load.py --profile 1000 --rounds 5   # field_load_profile.md
 """
 
 from __future__ import annotations
@@ -14,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import resource
 import signal
 import statistics
 import subprocess
@@ -26,8 +40,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = ["--model", "logreg", "--partition", "iid", "--steps", "2", "--lr", "0.05", "--seed", "0",
+SETTINGS = ["--model", "logreg", "--partition", "iid", "--steps", "1", "--lr", "0.05", "--seed", "0",
             "--threads", "1", "--algo", "fedavg"]
+DEADLINE_S, WAIT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S = 600, 900, 120  # generous: 1,000 agents on 2 cores
+
+
+def raise_nofile() -> None:
+    """Open files: a worker holds a socket, paho's wakeup pair and a trace file per agent; mosquitto
+    (started from this process, inheriting the limit) one socket per client."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def worker(args) -> int:
@@ -37,16 +60,17 @@ def worker(args) -> int:
     from edge_client import logs
     from edge_client.agent import Agent, config_from_dict
 
-    logs.setup()  # the agents' `[agent client-i] ...` lines go to this worker's log, as before
+    raise_nofile()
+    logs.setup("warning")  # the agents' `[agent client-i] ...` warnings go to this worker's log
     torch.set_num_threads(1)
     agents = []
     for i in range(args.first, args.first + args.count):
         cfg = config_from_dict({
-            "agent": {"client": i, "broker": args.broker, "heartbeat_s": 2.0, "out": f"{args.out}/client-{i}",
-                      "exit_when_done": True},
+            "agent": {"client": i, "broker": args.broker, "heartbeat_s": args.heartbeat_s,
+                      "out": f"{args.out}/client-{i}", "exit_when_done": True},
             "data": {"dataset": "fmnist", "partition": "iid", "clients": args.clients, "seed": 0},
             "model": {"model": "logreg"}, "battery": {"source": "mains"}})
-        agents.append(Agent(cfg))
+        agents.append(Agent(cfg))  # the dataset and its partition: loaded once per process (data.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: [a.stop() for a in agents])
     threads = [threading.Thread(target=a.run, name=a.id) for a in agents]
@@ -68,51 +92,165 @@ def round_events(run: Path) -> list[dict]:
     return [e for e in map(json.loads, open(run / "field.jsonl")) if e["event"] == "round"]
 
 
-def load_test(agents: int, per_proc: int, rounds: int, tmp: Path) -> dict:
+class Sampler(threading.Thread):
+    """Every 0.1 s: has the coordinator started its rounds (its log says `agents online`), has a round
+    ended (a round row in field.jsonl)? At each such moment the CPU seconds of the coordinator, the broker
+    and the workers (psutil). Every second the RSS of all of them (peaks)."""
+
+    def __init__(self, coord_pid: int, broker_pid: int, worker_pids: list[int], log: Path, field_log: Path):
+        super().__init__(daemon=True)
+        import psutil
+        self.psutil = psutil
+        self.coord, self.broker = psutil.Process(coord_pid), psutil.Process(broker_pid)
+        self.workers = [psutil.Process(p) for p in worker_pids]
+        self.log, self.field_log = log, field_log
+        self.marks: list[dict] = []  # {t, coord, broker, workers}: rounds start, then one per round row
+        self.peak = {"coord": 0, "broker": 0, "workers": 0}
+        self.done = threading.Event()
+
+    def _cpu(self, procs) -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                c = p.cpu_times()
+                total += c.user + c.system
+            except self.psutil.Error:
+                pass
+        return total
+
+    def _rss(self, procs) -> int:
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except self.psutil.Error:
+                pass
+        return total
+
+    def mark(self) -> None:
+        self.marks.append({"t": time.monotonic(), "coord": self._cpu([self.coord]),
+                           "coord_rss": self._rss([self.coord]),
+                           "broker": self._cpu([self.broker]), "workers": self._cpu(self.workers)})
+
+    def run(self) -> None:
+        started, log_pos, field_pos, last_rss = False, 0, 0, 0.0
+        while not self.done.wait(0.1):
+            if not started:
+                if self.log.exists():
+                    with open(self.log, "rb") as f:
+                        f.seek(log_pos)
+                        chunk = f.read()
+                        log_pos += len(chunk)
+                    if b"agents online" in chunk:
+                        started = True
+                        self.mark()
+            elif self.field_log.exists():
+                with open(self.field_log, "rb") as f:
+                    f.seek(field_pos)
+                    chunk = f.read()
+                if b"\n" in chunk:
+                    chunk = chunk[:chunk.rindex(b"\n") + 1]
+                    field_pos += len(chunk)
+                    for _ in range(chunk.count(b'"event": "round"')):
+                        self.mark()
+            if time.monotonic() - last_rss >= 1.0:
+                last_rss = time.monotonic()
+                for k, procs in (("coord", [self.coord]), ("broker", [self.broker]), ("workers", self.workers)):
+                    self.peak[k] = max(self.peak[k], self._rss(procs))
+
+
+def coordinator_cmd(broker_url: str, agents: int, rounds: int, run: Path) -> list[str]:
+    return [sys.executable, "-m", "coordinator.cli", "coordinator", "--broker", broker_url, "--clients", str(agents),
+            "--rounds", str(rounds), "--out", str(run), "--deadline", str(DEADLINE_S),
+            "--wait-timeout", str(WAIT_TIMEOUT_S), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--no-progress",
+            *SETTINGS]
+
+
+def fleet(agents: int, per_proc: int, rounds: int, heartbeat_s: float, tmp: Path, replay: bool,
+          profile: Path | None = None) -> dict:
+    """One fleet: mosquitto, the agents' worker processes, the coordinator; measurements and checks."""
     from coordinator.availability.participation import read_rows
     from coordinator.trial.broker import Mosquitto
 
-    run = tmp / "load"
-    procs = []
+    tmp.mkdir(parents=True)
+    run, procs = tmp / "run", []
+    raise_nofile()
     try:
         with Mosquitto(workdir=tmp / "broker") as broker:
+            t0 = time.monotonic()
             for first in range(0, agents, per_proc):
                 procs.append(subprocess.Popen(
                     [sys.executable, __file__, "--worker", "--broker", broker.url, "--clients", str(agents),
                      "--first", str(first), "--count", str(min(per_proc, agents - first)),
-                     "--out", str(tmp / "agents")],
+                     "--heartbeat-s", str(heartbeat_s), "--out", str(tmp / "agents")],
                     stdout=subprocess.DEVNULL, stderr=open(tmp / f"worker-{first}.log", "w"), start_new_session=True))
-            start = time.perf_counter()
-            coord = subprocess.run(
-                [sys.executable, "-m", "coordinator.cli", "coordinator", "--broker", broker.url,
-                 "--clients", str(agents), "--rounds", str(rounds), "--out", str(run), "--deadline", "120",
-                 "--wait-timeout", "600", "--heartbeat-timeout", "30", "--no-progress", *SETTINGS],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "coordinator.log", "w"))
-            total_s = time.perf_counter() - start
+            coord_log = tmp / "coordinator.log"
+            coord = subprocess.Popen(coordinator_cmd(broker.url, agents, rounds, run), cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=open(coord_log, "w"))
+            sampler = Sampler(coord.pid, broker.proc.pid, [p.pid for p in procs], coord_log, run / "field.jsonl")
+            sampler.start()
+            spy = None
+            if profile is not None:  # attach py-spy once the rounds start: their CPU, not the start-up's
+                while not sampler.marks and coord.poll() is None:
+                    time.sleep(0.05)
+                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(coord.pid),
+                                        "--format", "raw", "--rate", "100", "--threads", "--output", str(profile)],
+                                       stdout=subprocess.DEVNULL, stderr=open(tmp / "py-spy.log", "w"))
+            _, status, usage = os.wait4(coord.pid, 0)
+            if spy is not None:
+                spy.wait(timeout=60)
+            coord.returncode = os.waitstatus_to_exitcode(status)
+            total_s = time.monotonic() - t0
+            sampler.done.set()
+            sampler.join()
             if coord.returncode != 0:
-                raise SystemExit(f"coordinator failed; see {tmp / 'coordinator.log'}")
+                raise SystemExit(f"coordinator failed; see {coord_log}")
             for p in procs:
-                p.wait(timeout=120)
+                p.wait(timeout=300)
+            broker_cpu = sampler._cpu([sampler.broker])
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+    marks = sampler.marks
+    if len(marks) == rounds:  # the coordinator exited before the sampler saw the last round's row
+        marks.append({"t": marks[-1]["t"], "coord": usage.ru_utime + usage.ru_stime,
+                      "coord_rss": marks[-1]["coord_rss"],
+                      "broker": broker_cpu,
+                      "workers": marks[-1]["workers"]})
+    if len(marks) != rounds + 1:
+        raise SystemExit(f"expected {rounds + 1} CPU marks (rounds start + one per round), got {len(marks)}")
+
+    def per_round(key: str) -> list[float]:
+        return [b[key] - a[key] for a, b in zip(marks, marks[1:])]
+
     sent: dict[int, int] = {}
     for f in (tmp / "agents").glob("uploads-*.json"):
         sent |= {int(k): v for k, v in json.loads(f.read_text()).items()}
     rows = read_rows(run / "participation.csv")
     aggregated: dict[int, int] = {}
+    by_round: dict[int, dict[str, int]] = {}
     for r in rows:
+        counts = by_round.setdefault(int(r["round"]), {})
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
         if r["status"] == "participated":
             aggregated[int(r["client"])] = aggregated.get(int(r["client"]), 0) + 1
     ev = round_events(run)
     selected = sum(e["selected"] for e in ev)
-    return {
-        "agents": agents, "agents_per_process": per_proc, "rounds": rounds, "total_s": total_s,
+    rounds_s = marks[-1]["t"] - marks[0]["t"]
+    coord_cpu_total = usage.ru_utime + usage.ru_stime
+    res = {
+        "agents": agents, "agents_per_process": per_proc, "worker_processes": len(procs), "rounds": rounds,
+        "heartbeat_s": heartbeat_s, "total_s": total_s, "startup_s": marks[0]["t"] - t0, "rounds_s": rounds_s,
         "selected": selected, "aggregated": sum(aggregated.values()), "uploads_sent": sum(sent.values()),
         "lost": selected - sum(aggregated.values()),
-        "agents_whose_sent_differs_from_aggregated": sum(1 for c in sent if sent[c] != aggregated.get(c, 0)),
+        "agents_whose_sent_differs_from_aggregated": sum(1 for c in range(agents)
+                                                         if sent.get(c, 0) != aggregated.get(c, 0)),
+        "rounds_with_all_participating": sum(1 for t, c in by_round.items()
+                                             if c.get("participated", 0) == agents == len(ev[t]["clients"])),
+        "participation_status_counts": {s: sum(c.get(s, 0) for c in by_round.values())
+                                        for s in sorted({s for c in by_round.values() for s in c})},
         "redeliveries_discarded": sum(e["duplicates"] for e in ev), "rejected": sum(e["rejected"] for e in ev),
         "dropped": sum(len(e["dropped"]) for e in ev),
         "round_wall_s": stats([e["wall_s"] for e in ev]),
@@ -120,87 +258,272 @@ def load_test(agents: int, per_proc: int, rounds: int, tmp: Path) -> dict:
         "overhead_s": stats([e["overhead_s"] for e in ev]),
         "overhead_excl_agent_wait_s": stats([e["overhead_excl_agent_wait_s"] for e in ev]),
         "onnx_export_s": stats([e["export_s"] for e in ev]),
+        "coordinator": {
+            "cpu_s_total": coord_cpu_total, "cpu_s_startup": marks[0]["coord"],
+            "cpu_s_per_round": (marks[-1]["coord"] - marks[0]["coord"]) / rounds,
+            "cpu_s_round": stats(per_round("coord")),
+            "cpu_share_of_wall": (marks[-1]["coord"] - marks[0]["coord"]) / rounds_s,
+            "peak_rss_bytes": usage.ru_maxrss * 1024,  # incl. start-up (torch, the dataset for its evaluation)
+            "rss_bytes_rounds_start": marks[0]["coord_rss"], "rss_bytes_rounds_end": marks[-1]["coord_rss"],
+            "peak_rss_bytes_sampled": sampler.peak["coord"]},
+        "broker": {"cpu_s_per_round": (marks[-1]["broker"] - marks[0]["broker"]) / rounds,
+                   "cpu_s_total": broker_cpu, "peak_rss_bytes": sampler.peak["broker"]},
+        "workers": {"cpu_s_per_round": (marks[-1]["workers"] - marks[0]["workers"]) / rounds,
+                    "peak_rss_bytes": sampler.peak["workers"],
+                    "peak_rss_bytes_per_agent": sampler.peak["workers"] / agents,
+                    "peak_rss_bytes_per_process": sampler.peak["workers"] / len(procs),
+                    "threads_per_process": 3 * per_proc + 1},
     }
+    if replay:
+        res["replay_max_abs_diff"] = replay_diff(run, agents, rounds, tmp / "sim")
+    return res
+
+
+def replay_diff(run: Path, agents: int, rounds: int, sim: Path) -> float:
+    """`dropfl sim` replaying the run's participation log: max |w_run − w_sim| (0: the same model)."""
+    import torch
+
+    subprocess.run([sys.executable, "-m", "coordinator.cli", "sim", "--clients", str(agents), "--rounds", str(rounds),
+                    "--availability", "replay", "--trace", str(run / "participation.csv"), "--out", str(sim),
+                    "--no-progress", *SETTINGS], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    a, b = torch.load(run / "model.pt"), torch.load(sim / "model.pt")
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def normal_trial(agents: int, rounds: int, tmp: Path) -> dict:
-    import torch
+    from coordinator.availability.participation import read_rows
 
     run = tmp / "trial"
     cmd = [sys.executable, "-m", "coordinator.cli", "trial", "--agents", str(agents), "--rounds", str(rounds),
            "--out", str(run), "--no-progress", *SETTINGS]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=open(tmp / "trial.log", "w"))
-    sim = tmp / "trial-sim"
-    subprocess.run([sys.executable, "-m", "coordinator.cli", "sim", "--clients", str(agents), "--rounds", str(rounds),
-                    "--availability", "replay", "--trace", str(run / "participation.csv"), "--out", str(sim),
-                    "--no-progress", *SETTINGS], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    a, b = torch.load(run / "model.pt"), torch.load(sim / "model.pt")
-    from coordinator.availability.participation import read_rows
     reasons: dict[str, int] = {}
     for r in read_rows(run / "participation.csv"):
         if r["status"] in ("unavailable", "dropped"):
             key = f"{r['status']}:{r['reason']}"
             reasons[key] = reasons.get(key, 0) + 1
-    ev = round_events(run)
+    ev = [e for e in round_events(run) if e["overhead_s"] is not None]
     return {"agents": agents, "rounds": rounds, "absences": reasons,
-            "participants_per_round": [e["participants"] for e in ev],
-            "replay_max_abs_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
-            "round_wall_s": stats([e["wall_s"] for e in ev if e["overhead_s"] is not None]),
-            "slowest_participant_s": stats([e["slowest_participant_s"] for e in ev if e["overhead_s"] is not None]),
-            "overhead_s": stats([e["overhead_s"] for e in ev if e["overhead_s"] is not None]),
-            "overhead_excl_agent_wait_s": stats([e["overhead_excl_agent_wait_s"] for e in ev
-                                                 if e["overhead_s"] is not None])}
+            "participants_per_round": [e["participants"] for e in round_events(run)],
+            "replay_max_abs_diff": replay_diff(run, agents, rounds, tmp / "trial-sim"),
+            "round_wall_s": stats([e["wall_s"] for e in ev]),
+            "slowest_participant_s": stats([e["slowest_participant_s"] for e in ev]),
+            "overhead_s": stats([e["overhead_s"] for e in ev]),
+            "overhead_excl_agent_wait_s": stats([e["overhead_excl_agent_wait_s"] for e in ev])}
+
+
+def profile_summary(raw: Path, top: int = 400) -> dict:
+    """py-spy's raw (collapsed) stacks → share of the coordinator's samples by thread, by function (self),
+    and by function anywhere on the stack (inclusive)."""
+    total, by_thread, self_t, incl = 0, {}, {}, {}
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        n = int(n)
+        frames = stack.split(";")
+        total += n
+        thread = frames[0]
+        by_thread[thread] = by_thread.get(thread, 0) + n
+        funcs = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" if " (" in f else f for f in frames[1:]]
+        if funcs:
+            self_t[funcs[-1]] = self_t.get(funcs[-1], 0) + n
+        for f in set(funcs):
+            incl[f] = incl.get(f, 0) + n
+
+    def top_of(d: dict) -> list:
+        return [[k, v / total] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+    return {"samples": total, "threads": top_of(by_thread), "self": top_of(self_t), "inclusive": top_of(incl)}
+
+
+# --- report ---
+
+def _mb(b: float) -> str:
+    return f"{b / 2 ** 20:.0f}"
+
+
+def _ms(s: dict) -> str:
+    return f"{1000 * s['median']:.0f} / {1000 * s['p90']:.0f} / {1000 * s['max']:.0f}"
 
 
 def markdown(res: dict) -> str:
-    L, T = res["load"], res["trial"]
-    absences = ", ".join(f"{k} {v}" for k, v in sorted(T["absences"].items()))
+    F, T = res["fleet"], res.get("trial")
+    L = [
+        "# Field-mode fleet (benchmarks/field_load.py)", "",
+        f"Machine: {res['machine']}; load average before the run {res['loadavg_before']}. "
+        f"One private mosquitto ({res['mosquitto']}) on 127.0.0.1; model logreg (7,850 parameters, 31 KB per "
+        f"update), FMNIST iid, 1 local SGD step, FedAvg, every agent selected every round, mains-powered "
+        f"agents ({F[0]['agents_per_process']} per worker process, heartbeat every {F[0]['heartbeat_s']:g} s); "
+        f"coordinator `--deadline {DEADLINE_S} --wait-timeout {WAIT_TIMEOUT_S} --heartbeat-timeout "
+        f"{HEARTBEAT_TIMEOUT_S}`. Everything (coordinator, broker, agents) shares the 2 cores.", "",
+        "Command:", "", "```", res["command"], "```", "",
+        "## Lost or duplicated updates", "",
+        "| agents | selected | uploaded by agents | aggregated | **lost** | agents whose uploads ≠ aggregated "
+        "| rounds with all agents aggregated | duplicates aggregated (redeliveries discarded) | rejected / dropped "
+        "| replay in `dropfl sim`: max abs weight diff |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for f in F:
+        rp = f"{f['replay_max_abs_diff']:.1e}" if "replay_max_abs_diff" in f else "—"
+        L.append(f"| {f['agents']} | {f['selected']} | {f['uploads_sent']} | {f['aggregated']} | **{f['lost']}** | "
+                 f"{f['agents_whose_sent_differs_from_aggregated']} | {f['rounds_with_all_participating']} / "
+                 f"{f['rounds']} | 0 ({f['redeliveries_discarded']}) | {f['rejected']} / {f['dropped']} | {rp} |")
+    L += ["", "## Coordinator cost and round overhead", "",
+          "| agents | coordinator CPU s / round | coordinator CPU, share of round wall time | coordinator peak RSS, "
+          "MB | round wall time, ms (median / p90 / max) | slowest participant, ms | **round overhead**, ms "
+          "| overhead excl. agents' queueing, ms | ONNX export, ms (median) |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for f in F:
+        c = f["coordinator"]
+        L.append(f"| {f['agents']} | **{c['cpu_s_per_round']:.2f}** | {100 * c['cpu_share_of_wall']:.0f} % | "
+                 f"**{_mb(c['peak_rss_bytes'])}** | {_ms(f['round_wall_s'])} | {_ms(f['slowest_participant_s'])} | "
+                 f"**{_ms(f['overhead_s'])}** | {_ms(f['overhead_excl_agent_wait_s'])} | "
+                 f"{1000 * f['onnx_export_s']['median']:.0f} |")
+    L += ["", "## Everything else on the machine", "",
+          "| agents | worker processes | threads per worker | agents' CPU s / round (all workers) | broker CPU s / "
+          "round | broker peak RSS, MB | workers' peak RSS, MB (per agent) | coordinator start-up: "
+          "wall s / CPU s | rounds wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for f in F:
+        w, b, c = f["workers"], f["broker"], f["coordinator"]
+        L.append(f"| {f['agents']} | {f['worker_processes']} | {w['threads_per_process']} | {w['cpu_s_per_round']:.2f} "
+                 f"| {b['cpu_s_per_round']:.2f} | {_mb(b['peak_rss_bytes'])} | {_mb(w['peak_rss_bytes'])} "
+                 f"({w['peak_rss_bytes_per_agent'] / 2 ** 20:.1f}) | {f['startup_s']:.0f} / {c['cpu_s_startup']:.1f} "
+                 f"| {f['rounds_s']:.0f} |")
+    L += ["", "CPU per round: psutil's process CPU seconds at the coordinator's `agents online` log line and at each "
+          "round row of `field.jsonl`, (last − first) / rounds; start-up (imports, the agents' announces) is not "
+          "counted in it. Peak RSS: the coordinator's `ru_maxrss` (wait4), the others sampled every second. "
+          "Round overhead = round wall time − the slowest participant's download + train + upload "
+          "(`field.jsonl` `overhead_s`); without the agents' queueing: also minus its `wait_s` (task and model "
+          "received, but its worker process busy with other agents).", ""]
+    if res.get("limit"):
+        L += ["## What limits the next step", "", res["limit"], ""]
+    if T:
+        absences = ", ".join(f"{k} {v}" for k, v in sorted(T["absences"].items()))
+        L += [f"## Normal trial: `dropfl trial --agents {T['agents']} --rounds {T['rounds']}` (modelled batteries)", "",
+              "| metric | value |", "|---|---|",
+              f"| absences (status:reason → client-rounds) | {absences or 'none'} |",
+              f"| participants per round | {' '.join(map(str, T['participants_per_round']))} |",
+              f"| replay in `dropfl sim`: max abs weight difference | {T['replay_max_abs_diff']:.2e} |",
+              f"| round wall time, ms (median / p90 / max) | {_ms(T['round_wall_s'])} |",
+              f"| slowest participant, ms | {_ms(T['slowest_participant_s'])} |",
+              f"| **round overhead**, ms | **{_ms(T['overhead_s'])}** |",
+              f"| overhead without the agents' own queueing, ms | {_ms(T['overhead_excl_agent_wait_s'])} |", ""]
+    return "\n".join(L)
 
-    def ms(s: dict) -> str:
-        return f"{1000 * s['median']:.1f} / {1000 * s['p90']:.1f} / {1000 * s['max']:.1f}"
 
-    return "\n".join([
-        "# Field-mode load (benchmarks/field_load.py)", "",
-        f"Machine: {res['machine']}. One private mosquitto 2.0.11 on 127.0.0.1; model logreg (7,850 parameters, "
-        "31 KB per update), FMNIST iid, 2 local SGD steps, FedAvg, mains-powered agents in the load test.", "",
-        f"## Load: {L['agents']} agents ({L['agents_per_process']} per process) × {L['rounds']} rounds", "",
-        "| metric | value |", "|---|---|",
-        f"| updates requested (selected) | {L['selected']} |",
-        f"| updates uploaded by agents | {L['uploads_sent']} |",
-        f"| updates aggregated | {L['aggregated']} |",
-        f"| **lost** (selected − aggregated) | **{L['lost']}** |",
-        f"| agents whose uploads ≠ aggregated | {L['agents_whose_sent_differs_from_aggregated']} |",
-        f"| **duplicates aggregated** | **0** (a client aggregates at most once per round; "
-        f"{L['redeliveries_discarded']} redeliveries discarded) |",
-        f"| rejected / dropped | {L['rejected']} / {L['dropped']} |",
-        f"| total wall time (incl. agent start-up) | {L['total_s']:.1f} s |", "",
-        "| per round, ms (median / p90 / max) | |", "|---|---|",
-        f"| round wall time | {ms(L['round_wall_s'])} |",
-        f"| slowest participant: download + train + upload | {ms(L['slowest_participant_s'])} |",
-        f"| **round overhead** = wall − slowest participant | **{ms(L['overhead_s'])}** |",
-        f"| of which ONNX export of the global model | {ms(L['onnx_export_s'])} |",
-        f"| overhead without the agents' own queueing (10 agents share a process: messages wait while "
-        f"the others train) | {ms(L['overhead_excl_agent_wait_s'])} |", "",
-        f"## Normal trial: `dropfl trial --agents {T['agents']} --rounds {T['rounds']}` (modelled batteries)", "",
-        "| metric | value |", "|---|---|",
-        f"| absences (status:reason → client-rounds) | {absences} |",
-        f"| participants per round | {' '.join(map(str, T['participants_per_round']))} |",
-        f"| replay in `dropfl sim`: max abs weight difference | {T['replay_max_abs_diff']:.2e} |",
-        f"| round wall time, ms (median / p90 / max) | {ms(T['round_wall_s'])} |",
-        f"| slowest participant, ms | {ms(T['slowest_participant_s'])} |",
-        f"| **round overhead**, ms | **{ms(T['overhead_s'])}** |",
-        f"| overhead without the agents' own queueing, ms | {ms(T['overhead_excl_agent_wait_s'])} |", "",
-        "Round overhead is the coordinator's share of a round: ONNX export, publishing the model and tasks, "
-        "the broker's fan-out and the wait for the last upload's stats, plus scheduling on a 2-core machine "
-        "shared by all processes (agents, broker and coordinator compete for the same cores).", ""])
+def limits(res: dict, prof: dict | None) -> str:
+    """'What limits the next step', from the measurements (and the py-spy profile, if there is one)."""
+    F = res["fleet"]
+    f = F[-1]
+    a, c, b = f["workers"]["cpu_s_per_round"], f["coordinator"]["cpu_s_per_round"], f["broker"]["cpu_s_per_round"]
+    wall = f["rounds_s"] / f["rounds"]
+    per_agent = ", ".join(f"{1000 * x['coordinator']['cpu_s_per_round'] / x['agents']:.2f} ms at {x['agents']}"
+                          for x in F)
+    text = [
+        f"**CPU, on this 2-core machine.** At {f['agents']} agents a round takes {wall:.2f} s of wall time on "
+        f"average, and in it the agents use {a:.2f} CPU s, the coordinator {c:.2f}, mosquitto {b:.2f}: "
+        f"{a + c + b:.2f} of the {2 * wall:.2f} CPU s the two cores have ({100 * (a + c + b) / (2 * wall):.0f} %). "
+        f"The agents' own work (decoding the model, 1 SGD step, encoding and uploading the update, and an "
+        f"onnxruntime session per agent per round to evaluate the global model) is {100 * a / (a + c + b):.0f} % "
+        f"of it, so a larger fleet on one machine is limited by the emulated agents first: more agents need "
+        f"more cores, or agents on other machines.",
+        f"**The coordinator** is one Python process whose work is serialised by the GIL: paho's network thread "
+        f"(every inbound message: update, stats, eval, heartbeat; every PUBACK of the tasks it sends) and the "
+        f"round loop. Its CPU per agent per round: {per_agent}, i.e. about {c:.1f} CPU s per round at "
+        f"{f['agents']} agents; it can use at most one core, so with the agents elsewhere one coordinator "
+        f"process would close a round of N agents in no less than about N × {1000 * c / f['agents']:.1f} ms "
+        f"(≈ {10 * c / f['agents'] * 1000:.0f} s for 10,000 agents if it stayed linear)."]
+    if prof:
+        th = {("paho" if "paho" in k else "main" if "MainThread" in k else "other"): v
+              for k, v in prof["profile"]["threads"]}
+        inc = dict(prof["profile"]["inclusive"])
+        slf = dict(prof["profile"]["self"])
+
+        def share(d: dict, *names: str) -> float:
+            return 100 * sum(v for k, v in d.items() if any(k.startswith(n) for n in names))
+        text.append(
+            f"Where its CPU goes (py-spy, {prof['fleet'][0]['agents']} agents, field_load_profile.md): paho's network "
+            f"thread {100 * th.get('paho', 0):.0f} % of the samples — of which dropfl's message handling "
+            f"(`FieldHub._dispatch`: decode, checks, reassembly) {share(inc, 'FieldHub._dispatch'):.0f} % and "
+            f"paho's own packet handling most of the rest (reading packets, PUBACKs; its `_update_inflight`, "
+            f"{share(slf, 'Client._update_inflight'):.0f} % self, walks every message in flight on each PUBACK: "
+            f"quadratic in the tasks sent at once); the round loop's thread {100 * th.get('main', 0):.0f} % — "
+            f"`run_round` {share(inc, 'MqttTransport.run_round'):.0f} %, mostly waking on every incoming message "
+            f"(`Condition.wait` there and `notify` in paho's thread: {share(slf, 'Condition.'):.0f} % self) "
+            f"and re-checking all selected clients (`Registry.is_online` {share(slf, 'Registry.is_online'):.0f} % "
+            f"self): O(N) per message, O(N²) per round. These two quadratic terms are the next coordinator limit.")
+    text.append(
+        f"**Memory** is not the limit: the coordinator's RSS is {_mb(f['coordinator']['rss_bytes_rounds_end'])} MB "
+        f"at {f['agents']} agents (peak {_mb(f['coordinator']['peak_rss_bytes'])} MB, mostly torch and the test set "
+        f"it evaluates on), mosquitto's {_mb(f['broker']['peak_rss_bytes'])} MB; an agent worker is about "
+        f"{_mb(f['workers']['peak_rss_bytes_per_process'])} MB per {f['agents_per_process']} agents (≈ 460 MB of "
+        f"torch, onnxruntime and the shared FMNIST partition per process, then ~1.7 MB per agent). "
+        f"**Threads and file descriptors** were no problem: {f['workers']['threads_per_process']} threads per worker "
+        f"(3 per agent), {f['agents'] + 1} broker connections (the harness raises RLIMIT_NOFILE to its hard limit; "
+        f"mosquitto's `max_connections` is unlimited by default).")
+    return "\n\n".join(text)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    F = res["fleet"]
+    n = [f["agents"] for f in F]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax[0].plot(n, [f["round_wall_s"]["median"] for f in F], "o-", label="round wall time")
+    ax[0].plot(n, [f["slowest_participant_s"]["median"] for f in F], "s-", label="slowest participant")
+    ax[0].plot(n, [f["overhead_s"]["median"] for f in F], "^-", label="round overhead (median)")
+    ax[0].fill_between(n, [f["overhead_s"]["median"] for f in F], [f["overhead_s"]["p90"] for f in F], alpha=0.2,
+                       color="C2", label="overhead median–p90")
+    ax[0].set(title="Round time", xlabel="agents", ylabel="seconds")
+    ax[1].plot(n, [f["coordinator"]["cpu_s_per_round"] for f in F], "o-", label="coordinator")
+    ax[1].plot(n, [f["broker"]["cpu_s_per_round"] for f in F], "s-", label="mosquitto")
+    ax[1].plot(n, [f["workers"]["cpu_s_per_round"] for f in F], "^-", label="agents (all workers)")
+    ax[1].set(title="CPU seconds per round", xlabel="agents", ylabel="CPU s")
+    ax[2].plot(n, [f["coordinator"]["peak_rss_bytes"] / 2 ** 20 for f in F], "o-", label="coordinator (peak, start-up)")
+    ax[2].plot(n, [f["coordinator"]["rss_bytes_rounds_end"] / 2 ** 20 for f in F], "o--", color="C0",
+               label="coordinator (after the last round)")
+    ax[2].plot(n, [f["broker"]["peak_rss_bytes"] / 2 ** 20 for f in F], "s-", label="mosquitto")
+    ax[2].plot(n, [f["workers"]["peak_rss_bytes"] / 2 ** 30 * 1024 / 10 for f in F], "^-",
+               label="agents (all workers) / 10")
+    ax[2].set(title="Memory (RSS)", xlabel="agents", ylabel="MiB")
+    for a in ax:
+        a.set_xscale("log")
+        a.minorticks_off()
+        a.set_xticks(n, [str(x) for x in n])
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"dropfl field mode: one mosquitto, {F[0]['rounds']} rounds, logreg; {res['machine']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def profile_markdown(res: dict) -> str:
+    P, f = res["profile"], res["fleet"][0]
+    L = ["# Where the coordinator's CPU goes (benchmarks/field_load.py --profile)", "",
+         f"Machine: {res['machine']}. {f['agents']} agents × {f['rounds']} rounds, as in field_load.md; the "
+         f"coordinator gets `py-spy record --rate 100 --threads` attached when its rounds start (all threads, "
+         f"idle samples excluded): "
+         f"{P['samples']} samples. Coordinator CPU {f['coordinator']['cpu_s_per_round']:.2f} s / round under the "
+         f"profiler.", "", "Command:", "", "```", res["command"], "```", "",
+         "| thread | share of samples |", "|---|---|"]
+    L += [f"| {k} | {100 * v:.1f} % |" for k, v in P["threads"][:6]]
+    L += ["", "| function (inclusive: anywhere on the stack) | share |", "|---|---|"]
+    L += [f"| `{k}` | {100 * v:.1f} % |" for k, v in P["inclusive"][:25]]
+    L += ["", "| function (self) | share |", "|---|---|"]
+    L += [f"| `{k}` | {100 * v:.1f} % |" for k, v in P["self"][:20]]
+    return "\n".join(L) + "\n"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--agents", type=int, default=100)
-    p.add_argument("--per-process", type=int, default=10)
+    p.add_argument("--agents", default="100,300,1000", help="fleet sizes, comma-separated")
+    p.add_argument("--per-process", type=int, default=100, help="agents per worker process")
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--trial-agents", type=int, default=10)
+    p.add_argument("--heartbeat-s", type=float, default=10.0, help="agents' heartbeat period")
+    p.add_argument("--replay", choices=("largest", "all", "none"), default="largest")
+    p.add_argument("--trial-agents", type=int, default=10, help="the normal trial's agents (0: skip it)")
+    p.add_argument("--profile", type=int, default=0, help="instead: N agents with the coordinator under py-spy")
+    p.add_argument("--keep", help="keep the run directories here")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "field_load"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--broker", help=argparse.SUPPRESS)
@@ -210,16 +533,45 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    import platform
-    with tempfile.TemporaryDirectory(prefix="dropfl-field-load-") as tmp:
-        t = Path(tmp)
-        res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-               "load": load_test(args.agents, args.per_process, args.rounds, t),
-               "trial": normal_trial(args.trial_agents, args.rounds, t)}
+    sizes = [int(x) for x in args.agents.split(",")]
+    mosq = subprocess.run(["mosquitto", "-h"], capture_output=True, text=True).stdout.splitlines()[0]
+    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                      f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30:.0f} GiB, "
+                      f"Python {platform.python_version()}",
+           "mosquitto": mosq.replace("mosquitto version ", ""),
+           "loadavg_before": open("/proc/loadavg").read().split()[0],
+           "command": " ".join([".venv/bin/python", "benchmarks/field_load.py", *sys.argv[1:]]),
+           "fleet": []}
+    tmp_ctx = tempfile.TemporaryDirectory(prefix="dropfl-field-load-")
+    base = Path(args.keep) if args.keep else Path(tmp_ctx.name)
+    with tmp_ctx:
+        if args.profile:
+            raw = base / "profile.txt"
+            res["fleet"].append(fleet(args.profile, args.per_process, args.rounds, args.heartbeat_s,
+                                      base / f"profile-{args.profile}", replay=False, profile=raw))
+            res["profile"] = profile_summary(raw)
+            Path(args.out + "_profile.json").write_text(json.dumps(res, indent=2) + "\n")
+            Path(args.out + "_profile.md").write_text(profile_markdown(res))
+            print(profile_markdown(res))
+            return 0
+        for n in sizes:
+            replay = args.replay == "all" or (args.replay == "largest" and n == max(sizes))
+            res["fleet"].append(fleet(n, args.per_process, args.rounds, args.heartbeat_s, base / f"fleet-{n}", replay))
+            f = res["fleet"][-1]
+            print(f"{n} agents: lost {f['lost']}, coordinator {f['coordinator']['cpu_s_per_round']:.2f} CPU s/round, "
+                  f"overhead median {f['overhead_s']['median']:.3f} s", file=sys.stderr)
+        if args.trial_agents:
+            res["trial"] = normal_trial(args.trial_agents, args.rounds, base)
+    prof = Path(args.out + "_profile.json")
+    res["limit"] = limits(res, json.loads(prof.read_text()) if prof.exists() else None)
     Path(args.out + ".json").write_text(json.dumps(res, indent=2) + "\n")
     Path(args.out + ".md").write_text(markdown(res))
+    plot(res, Path(args.out + ".png"))
     print(markdown(res))
-    return 0 if res["load"]["lost"] == 0 else 1
+    ok = all(f["lost"] == 0 and f["agents_whose_sent_differs_from_aggregated"] == 0 and f["dropped"] == 0
+             and f["rounds_with_all_participating"] == f["rounds"] and f.get("replay_max_abs_diff", 0.0) == 0.0
+             for f in res["fleet"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
