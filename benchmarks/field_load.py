@@ -1,11 +1,11 @@
 """Field-mode fleet: 100, 300 and 1,000 agents × 20 rounds through one private mosquitto on 127.0.0.1.
 
 Agents run in-process, many per worker process (`edge_client.agent.Agent` objects, one thread each plus
-its heartbeat thread and paho's network thread; the dataset and its partition are loaded once per
-process, `edge_client/agent/data.py` `_federation`). For every fleet size it checks that no update is
-lost or duplicated (every agent counts the updates it trained and uploaded; the coordinator counts
-what it aggregated and what it discarded as a redelivery; participation.csv must show every selected
-client as a participant every round) and measures:
+its heartbeat thread and paho's network thread; the labels and the partition are loaded once per
+process, `edge_client/agent/data.py` `_federation`, and each agent reads its own rows). For every fleet
+size it checks that no update is lost or duplicated (every agent counts the updates it trained and
+uploaded; the coordinator counts what it aggregated and what it discarded as a redelivery;
+participation.csv must show every selected client as a participant every round) and measures:
 
 - the coordinator's CPU seconds per round (psutil at each round's `field.jsonl` row; total from
   wait4's rusage) and its peak RSS (rusage `ru_maxrss`);

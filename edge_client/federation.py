@@ -70,9 +70,11 @@ def diff(mine: DataBinding, theirs: dict) -> dict[str, tuple]:
     return out
 
 
-def label_digest(ds: datasets.Dataset) -> str:
-    """16 hex digits of SHA-256 over the training labels: the same data wherever it was read from."""
-    y = np.ascontiguousarray(ds.train.y.numpy().astype(np.int64))
+def label_digest(ds: datasets.Dataset | np.ndarray) -> str:
+    """16 hex digits of SHA-256 over the training labels (a dataset, or its training labels as numpy):
+    the same data wherever it was read from."""
+    y = ds if isinstance(ds, np.ndarray) else ds.train.y.numpy()
+    y = np.ascontiguousarray(y.astype(np.int64))
     return hashlib.sha256(y.tobytes()).hexdigest()[:16]
 
 
@@ -85,11 +87,14 @@ def partition_kwargs(b: DataBinding) -> dict:
     return {}
 
 
-def client_shards(ds: datasets.Dataset, b: DataBinding) -> list[np.ndarray]:
-    """Each client's training indices (raises partition.PartitionError on impossible settings)."""
-    return partition.partition(b.partition, ds.train.y.numpy(), b.clients, b.seed, **partition_kwargs(b))
+def client_shards(ds: datasets.Dataset | np.ndarray, b: DataBinding) -> list[np.ndarray]:
+    """Each client's training indices (raises partition.PartitionError on impossible settings). Needs only
+    the training labels: a dataset, or its training labels as numpy (an agent reads no other image)."""
+    y = ds if isinstance(ds, np.ndarray) else ds.train.y.numpy()
+    return partition.partition(b.partition, y, b.clients, b.seed, **partition_kwargs(b))
 
 
-def test_shards(ds: datasets.Dataset, b: DataBinding) -> list[np.ndarray]:
-    """Each client's share of the test split (IID), for on-device evaluation."""
-    return partition.iid(ds.test.y.numpy(), b.clients, b.seed)
+def test_shards(ds: datasets.Dataset | np.ndarray, b: DataBinding) -> list[np.ndarray]:
+    """Each client's share of the test split (IID), for on-device evaluation (a dataset, or its test labels)."""
+    y = ds if isinstance(ds, np.ndarray) else ds.test.y.numpy()
+    return partition.iid(y, b.clients, b.seed)

@@ -6,7 +6,8 @@ charging, network counters, CPU load, and whether its policy lets it train), and
 it declines with its policy's reason, or trains with `edge_client.trainer.local_train` on its own
 shard (computed from dataset + partition + seed exactly as the simulation does), uploads the update,
 reports the measured transfer and training rates, and evaluates each new global model with
-onnxruntime on its own test split. It records its own availability trace (docs/traces.md schema).
+onnxruntime on its own test split when idle (never delaying a task: work.py). It reads only its own
+rows of the dataset (data.py). It records its own availability trace (docs/traces.md schema).
 
 Threads: paho's network thread only queues messages; the main thread handles them (training happens
 there); a heartbeat thread samples the battery and publishes. Never imports `coordinator`.
@@ -74,7 +75,7 @@ class Agent(Link, Heartbeat, Work):
         ds, self.x, self.y, self.test_x, self.test_y = load_shard(cfg)
         self.binding = binding_of(cfg, ds)
         try:
-            self.model = build_model(cfg.model.model, tuple(ds.train.x.shape[1:]), ds.num_classes, cfg.data.seed,
+            self.model = build_model(cfg.model.model, tuple(self.x.shape[1:]), ds.num_classes, cfg.data.seed,
                                      cfg.model.dropout)
         except ValueError as e:
             raise AgentError(str(e)) from None
@@ -92,7 +93,9 @@ class Agent(Link, Heartbeat, Work):
         # run, round, w, download_s, arrival, model digest, first-to-last chunk seconds (work.py)
         self.weights: tuple[str, int, torch.Tensor, float | None, float, str, float] | None = None
         self.onnx: tuple[str, int, bytes] | None = None
-        self.evaluated: tuple[str, int] | None = None
+        self.evaluated: tuple[str, int] | None = None                     # the last ONNX model started (work.py)
+        self._eval: tuple[tuple[str, int], object] | None = None          # (run, round), its evaluation in progress
+        self.evals_skipped = 0
         self.task: tuple[str, TrainTask, float, str | None] | None = None  # run, task, received at, model digest
         self._task_arrival: tuple[str, int, float] | None = None           # run, round, arrival (monotonic)
         self._first_chunk_at: dict[tuple, float] = {}                      # a message's first chunk's arrival

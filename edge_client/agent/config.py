@@ -69,7 +69,9 @@ class AgentSection:
     password: str | None = None                # broker password (username = device_id)
     ca_file: str | None = None                 # CA certificate for mqtts:// (relative to the config file)
     heartbeat_s: float = _f(1.0, gt=0)
-    keepalive_s: int = _f(10, minimum=0, maximum=65535)  # MQTT's keep-alive is 16 bits
+    # MQTT keep-alive (16 bits). Generous for slow devices and links: heartbeats (heartbeat_s) are the liveness
+    # signal the coordinator uses (its --heartbeat-timeout); keep-alive only makes the broker publish the last will
+    keepalive_s: int = _f(60, minimum=0, maximum=65535)
     out: str | None = None                 # directory for trace.csv (default: agents/<device_id>)
     threads: int = _f(1, minimum=1)        # torch threads for training
     slowdown_s_per_step: float = _f(0.0, minimum=0)  # emulate a slower device: extra seconds per SGD step
@@ -78,6 +80,8 @@ class AgentSection:
     chunk_bytes: int = _f(256 * 1024, minimum=1)
     max_tensor_bytes: int = _f(256 * 1024 ** 2, minimum=1)
     publish_timeout_s: float = _f(60.0, gt=0)
+    eval_every: int = _f(1, minimum=0)     # evaluate the global model every k-th round (0: never); see work.py
+    eval_batch: int = _f(100, minimum=1)   # test samples per evaluation step (a task waits at most one step)
     upload_window: int = _f(2, minimum=1)  # update chunks in flight at once (a heartbeat waits behind at most these)
 
 

@@ -5,8 +5,18 @@ global model, ONNX model and task (or stops on the coordinator's "finished"); `_
 task and declines it with the policy's reason, re-sends a cached update, or parses it; `_work` trains
 once the task and its round's global model are both here, and evaluates a new ONNX model when idle;
 `_train_and_upload` runs `edge_client.trainer.local_train` on the agent's shard (or FedDD's
-`feddd.client_round` with its sparse payload), then uploads with `Link._send_update`; `_evaluate`
+`feddd.client_round` with its sparse payload), then uploads with `Link._send_update`; `_evaluation`
 scores the global ONNX model with onnxruntime on the agent's test split and publishes the accuracy.
+
+**Evaluation is never on the critical path.** Training never waits for an evaluation: `_evaluate_when_idle`
+runs the evaluation one batch of `eval_batch` test samples at a time (`_evaluation` is a generator), on
+the main thread, only while no task is pending and the inbox is empty. A message arriving mid-evaluation
+is handled after the current batch; a task then trains at once, and the evaluation resumes where it
+stopped once the agent is idle again. (Chosen over a background thread: no second onnxruntime session
+competing with training for a small device's cores, and no lock around the agent's state.) If the next
+round's ONNX model arrives before an evaluation finished, that evaluation is skipped, and logged: a
+device too slow to evaluate every round evaluates the rounds it can. `eval_every` k evaluates only rounds
+that are multiples of k (0: never); onnxruntime is imported on the first evaluation.
 
 Uses the Agent's cfg, id, client_idx, model, layout, label_score, feddd_memory, x, y, test_x, test_y,
 reasm, limits, battery, stopping, rates, weights, onnx, evaluated, task, cache, rounds_trained.
@@ -23,6 +33,23 @@ import torch
 from edge_client import feddd, wire
 from edge_client.agent.config import log, who
 from edge_client.trainer import TrainTask, local_train
+
+_libc = None
+
+
+def release_memory() -> None:
+    """Give the heap that a round's training or evaluation freed back to the OS (glibc's malloc_trim; ~25 MiB
+    of an agent's steady RSS). A no-op where there is no glibc."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL("libc.so.6")
+            _libc = libc if hasattr(libc, "malloc_trim") else False
+        except OSError:
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
 
 
 def _finite(v: float) -> float | None:
@@ -122,8 +149,28 @@ class Work:
             (run, task, task_at, _), self.task = self.task, None
             wait_s = max(time.monotonic() - max(task_at, self.weights[4]), 0.0)  # busy with earlier messages
             self._train_and_upload(run, task, self.weights[2], self.weights[3], wait_s)
-        if self.task is None and self.onnx is not None and self.onnx[:2] != self.evaluated:
-            self._evaluate(*self.onnx)
+        if self.task is None:
+            self._evaluate_when_idle()
+
+    def _evaluate_when_idle(self) -> None:
+        """Start evaluating a new ONNX model (every `eval_every` rounds), then run the evaluation a batch at a
+        time while nothing waits in the inbox (the module's docstring: never on the critical path)."""
+        if self.onnx is not None and self.onnx[:2] != self.evaluated:
+            run, rnd, model_bytes = self.onnx
+            self.evaluated = (run, rnd)  # started (or skipped) once per model
+            if self._eval is not None:
+                log.info(f"round {self._eval[0][1]}: evaluation skipped: round {rnd}'s model arrived before it "
+                         f"finished", extra=who(self.id))
+                self.evals_skipped += 1
+                self._eval = None
+            every = self.cfg.agent.eval_every
+            if every > 0 and rnd % every == 0:
+                self._eval = ((run, rnd), self._evaluation(run, rnd, model_bytes))
+        while self._eval is not None and self.inbox.empty() and not self.stopping.is_set():
+            try:
+                next(self._eval[1])
+            except StopIteration:
+                self._eval = None
 
     def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float | None,
                           wait_s: float = 0.0) -> None:
@@ -157,6 +204,7 @@ class Work:
         self.cache = (run, task.round, digest, frames)
         self.rounds_trained += 1
         self._send_update(run, task.round, frames)
+        release_memory()
 
     def _upload_limits(self) -> wire.Limits:
         """Chunks small enough that one takes at most heartbeat_s at the uplink rate measured on the last
@@ -168,23 +216,38 @@ class Work:
         chunk = max(4096, int(up * self.cfg.agent.heartbeat_s))
         return dataclasses.replace(self.limits, chunk_bytes=chunk) if chunk < self.limits.chunk_bytes else self.limits
 
-    def _evaluate(self, run: str, rnd: int, model_bytes: bytes) -> None:
+    def _eval_batch(self, sess, name: str, x, y) -> int:
+        """Correct predictions of one batch (a seam for tests)."""
+        logits = sess.run(None, {name: x})[0]
+        return int((logits.argmax(1) == y).sum())
+
+    def _evaluation(self, run: str, rnd: int, model_bytes: bytes):
+        """A generator: yields after the session is built and after every batch; publishes the accuracy at the
+        end. `seconds` counts only the time spent evaluating, not the pauses for other work."""
         import onnxruntime as ort
 
-        self.evaluated = (run, rnd)
-        start = time.perf_counter()
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = self.cfg.agent.threads
+        busy, start = 0.0, time.perf_counter()
+        step = self.cfg.agent.eval_batch
         correct = 0
         try:
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = self.cfg.agent.threads
+            # basic graph optimizations: the extended ones cost ~12 MiB more at session creation, for nothing
+            # on models this small (measured, benchmarks/agent_footprint.py)
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             sess = ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
             name = sess.get_inputs()[0].name
-            for i in range(0, len(self.test_y), 1000):
-                logits = sess.run(None, {name: self.test_x[i:i + 1000]})[0]
-                correct += int((logits.argmax(1) == self.test_y[i:i + 1000]).sum())
+            for i in range(0, len(self.test_y), step):
+                busy += time.perf_counter() - start
+                yield
+                start = time.perf_counter()
+                correct += self._eval_batch(sess, name, self.test_x[i:i + step], self.test_y[i:i + step])
         except Exception as e:  # onnxruntime raises its own exception types for a bad or foreign model
             log.warning(f"round {rnd}: could not evaluate the ONNX model: {e}", extra=who(self.id))
             return
+        busy += time.perf_counter() - start
+        del sess
+        release_memory()
         acc = correct / max(len(self.test_y), 1)
         self._publish("update/eval", wire.encode("eval", run, rnd, self.client_idx, meta={
-            "accuracy": acc, "samples": int(len(self.test_y)), "seconds": time.perf_counter() - start}))
+            "accuracy": acc, "samples": int(len(self.test_y)), "seconds": busy}))
