@@ -29,20 +29,28 @@ def iid(labels: np.ndarray, n_clients: int, seed: int) -> list[np.ndarray]:
     return [np.sort(p) for p in np.array_split(perm, n_clients)]
 
 
-def shards(labels: np.ndarray, n_clients: int, seed: int, shards_per_client: int = 2,
-           n_shards: int | None = None, shard_size: int | None = None) -> list[np.ndarray]:
-    """Pathological shards (McMahan et al.; MimiC §7.1): sort indices by label (stable), cut the list
-    into `n_shards` consecutive shards of `shard_size`, give each client `shards_per_client` distinct
-    random shards. Defaults: n_shards = clients × shards_per_client, shard_size = n // n_shards
-    (FMNIST, 30 clients: 60 single-class shards of 1000)."""
+def _shard_table(labels: np.ndarray, n_clients: int, shards_per_client: int, n_shards: int | None,
+                 shard_size: int | None) -> np.ndarray:
+    """[n_shards, shard_size] sample indices: the label-sorted (stable) list cut into consecutive shards.
+    Defaults: n_shards = clients × shards_per_client, shard_size = n // n_shards."""
     n_shards = n_clients * shards_per_client if n_shards is None else n_shards
     shard_size = len(labels) // n_shards if shard_size is None else shard_size
     if n_clients * shards_per_client > n_shards:
         raise PartitionError(f"--clients: {n_clients} clients × {shards_per_client} shards exceed {n_shards} shards")
     if shard_size < 1 or shard_size * n_shards > len(labels):
         raise PartitionError(f"--partition: {n_shards} shards of {shard_size} do not fit {len(labels)} samples")
+    return np.argsort(labels, kind="stable")[: n_shards * shard_size].reshape(n_shards, shard_size)
+
+
+def shards(labels: np.ndarray, n_clients: int, seed: int, shards_per_client: int = 2,
+           n_shards: int | None = None, shard_size: int | None = None) -> list[np.ndarray]:
+    """Pathological shards (McMahan et al.; MimiC §7.1): sort indices by label (stable), cut the list
+    into `n_shards` consecutive shards of `shard_size`, give each client `shards_per_client` distinct
+    random shards. Defaults: n_shards = clients × shards_per_client, shard_size = n // n_shards
+    (FMNIST, 30 clients: 60 single-class shards of 1000)."""
+    order = _shard_table(labels, n_clients, shards_per_client, n_shards, shard_size)
+    n_shards = len(order)
     rng = np.random.default_rng(seed)
-    order = np.argsort(labels, kind="stable")[: n_shards * shard_size].reshape(n_shards, shard_size)
     pick = rng.permutation(n_shards)
     return [np.sort(order[pick[c * shards_per_client:(c + 1) * shards_per_client]].ravel())
             for c in range(n_clients)]
@@ -60,14 +68,9 @@ def shards_distinct(labels: np.ndarray, n_clients: int, seed: int, shards_per_cl
     construction that always succeeds when any assignment exists: shards taken in random order (skipping a
     class once it has N shards), grouped by class in a random class order, and dealt round-robin to a random
     order of the clients (position p goes to client p mod N; a class has at most N consecutive positions)."""
-    n_shards = n_clients * shards_per_client if n_shards is None else n_shards
-    shard_size = len(labels) // n_shards if shard_size is None else shard_size
-    if n_clients * shards_per_client > n_shards:
-        raise PartitionError(f"--clients: {n_clients} clients × {shards_per_client} shards exceed {n_shards} shards")
-    if shard_size < 1 or shard_size * n_shards > len(labels):
-        raise PartitionError(f"--partition: {n_shards} shards of {shard_size} do not fit {len(labels)} samples")
+    order = _shard_table(labels, n_clients, shards_per_client, n_shards, shard_size)
+    n_shards = len(order)
     rng = np.random.default_rng(seed)
-    order = np.argsort(labels, kind="stable")[: n_shards * shard_size].reshape(n_shards, shard_size)
     shard_class = np.array([np.bincount(labels[s]).argmax() for s in order])  # majority label of each shard
     need = n_clients * shards_per_client
     for _ in range(tries):
