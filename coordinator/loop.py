@@ -84,12 +84,14 @@ class LoopConfig:
 
 def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySource, transport: Transport,
                evaluate: Callable[[torch.Tensor], tuple[float, float]], rundir: RunDir,
-               w0: torch.Tensor, resume: bool = False, progress: bool = True) -> torch.Tensor:
-    """Run rounds [start, cfg.rounds) and return the final global model (flat)."""
+               w0: torch.Tensor, resume: bool = False, progress: bool = True,
+               checkpoint: dict | None = None) -> torch.Tensor:
+    """Run rounds [start, cfg.rounds) and return the final global model (flat). On `resume`, continue from
+    `checkpoint` (already read, e.g. by runsetup.check_resume), else from the run directory's."""
     start, w, state = 0, w0.clone(), strategy.init_state(cfg.n_clients, w0)
     counters = {"uploads": 0, "client_uploads": 0}
     if resume:
-        ck = rundir.load_checkpoint()
+        ck = checkpoint if checkpoint is not None else rundir.load_checkpoint()
         if ck is not None:
             start, w, state, counters = ck["round"] + 1, ck["w"], ck["state"], ck["counters"]
             if "transport" in ck and hasattr(transport, "load_state_dict"):  # absent in older checkpoints

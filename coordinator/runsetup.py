@@ -73,6 +73,7 @@ class Run:
     loop: LoopConfig
     availability: object | None      # sim: the source; field: None (the agents are the source)
     client_data: list[tuple[torch.Tensor, torch.Tensor]] | None  # sim: every client's shard
+    checkpoint: dict | None = None   # --resume: the checkpoint check_resume read and checked (read once)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -225,8 +226,7 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
         eval_model = build_model(cfg.model.model, shape, ds.num_classes, cfg.run.seed, cfg.model.dropout)
     except ValueError as e:
         raise UserError(f"--model {cfg.model.model}: {e}") from None
-    if resume:
-        check_resume(cfg, path, model)
+    checkpoint = check_resume(cfg, path, model) if resume else None
     # --- everything checked: from here on the run directory is written ---
     rundir = RunDir(out, overwrite=overwrite)
     errors.current_run_dir = rundir.path
@@ -235,4 +235,5 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
     log.debug("run %s: %s on %s, %d clients, %s availability, binding %s%s", out, cfg.strategy.algo,
              cfg.data.dataset, cfg.data.clients, cfg.availability.kind if mode == "sim" else "field",
              binding.data_digest, " (resumed)" if resume else "")
-    return Run(cfg, rundir, ds, binding, model, eval_model, strategy, loop_config(cfg), availability, shards)
+    return Run(cfg, rundir, ds, binding, model, eval_model, strategy, loop_config(cfg), availability, shards,
+               checkpoint)

@@ -48,7 +48,7 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
         transport = MqttTransport(hub, run.model, run.input_shape, run.rundir.file("model.onnx"))
         try:
             w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate, run.rundir,
-                           run.w0(), resume=resume, progress=progress)
+                           run.w0(), resume=resume, progress=progress, checkpoint=run.checkpoint)
         except BrokerOutage as e:
             run.rundir.save_unsaved_checkpoint()  # the last finished round, if --checkpoint-every had not saved it
             raise RunFailure(f"{e}; {how_to_resume(run.rundir.path)}") from None

@@ -24,7 +24,7 @@ def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = Tru
         line, fields = transport.summary()
         log.info("%s", line, extra={"fields": fields})  # stderr `[sim] engine: ...`, log.txt, log.jsonl
         w = run_rounds(run.loop, run.strategy, run.availability, transport, run.evaluate, run.rundir, run.w0(),
-                       resume=resume, progress=progress)
+                       resume=resume, progress=progress, checkpoint=run.checkpoint)
     finally:
         transport.close()
     run.save_final(w)
