@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from paho.mqtt import client as mqtt
 
@@ -105,6 +107,11 @@ class Watcher:
         self.c.disconnect()
         self.c.loop_stop()
 
+
+# The marks of a test module that runs a private mosquitto: `pytestmark = NEEDS_MOSQUITTO` (or + more marks).
+NEEDS_MOSQUITTO = [pytest.mark.mosquitto,
+                   pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
+                                      reason="needs the mosquitto broker (apt-get install mosquitto)")]
 
 _load = datasets.load
 _cached_load = functools.lru_cache(maxsize=1)(_load)

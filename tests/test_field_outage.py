@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
-import pytest
 import torch
 from fieldkit import (
     CLI,
+    NEEDS_MOSQUITTO,
     ROOT,
     SETTINGS,
     Watcher,
@@ -36,9 +35,7 @@ from fieldkit import (
 from coordinator.rundir import read_metrics
 from coordinator.trial.broker import Mosquitto
 
-pytestmark = [pytest.mark.mosquitto,
-              pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
-                                 reason="needs the mosquitto broker (apt-get install mosquitto)")]
+pytestmark = NEEDS_MOSQUITTO
 
 HEARTBEAT_TIMEOUT = 2.0
 ALL = set(range(SETTINGS["clients"]))

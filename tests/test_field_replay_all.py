@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from fieldkit import SETTINGS, kill_group, max_diff, sim_model, start_agent
+from fieldkit import NEEDS_MOSQUITTO, SETTINGS, kill_group, max_diff, sim_model, start_agent
 from strategy_helpers import cache_dataset_loads
 
 from coordinator.availability.participation import read_rows
@@ -32,9 +31,7 @@ from coordinator.strategies import STRATEGIES
 from coordinator.trial.broker import Mosquitto
 from coordinator.trial.run import battery_profile
 
-pytestmark = [pytest.mark.slow, pytest.mark.mosquitto,
-              pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
-                                 reason="needs the mosquitto broker (apt-get install mosquitto)")]
+pytestmark = [pytest.mark.slow, *NEEDS_MOSQUITTO]
 
 N, ROUNDS, STEPS = 4, 3, 1
 PROFILES = ("mains", "mains", "mains", "charger")

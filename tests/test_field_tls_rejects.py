@@ -12,15 +12,14 @@ rejected was aggregated). Waits are on the coordinator's exit, bounded; no sleep
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from fieldkit import (
+    NEEDS_MOSQUITTO,
     SETTINGS,
     agent_config,
     coordinator_cmd,
@@ -40,9 +39,7 @@ from edge_client import wire
 from edge_client.agent import Agent, config_from_dict
 from edge_client.trainer import TrainTask
 
-pytestmark = [pytest.mark.mosquitto,
-              pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
-                                 reason="needs the mosquitto broker (apt-get install mosquitto)")]
+pytestmark = NEEDS_MOSQUITTO
 ROUNDS = 4
 ROGUE = 2
 

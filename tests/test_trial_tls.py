@@ -8,23 +8,19 @@ runs three agents with their bundles and the coordinator with coordinator.json f
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import stat
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
-from fieldkit import CLI, ROOT, SETTINGS, max_diff, participants, sim_model
+from fieldkit import CLI, NEEDS_MOSQUITTO, ROOT, SETTINGS, max_diff, participants, sim_model
 
 from coordinator.cli import main as dropfl
 from coordinator.trial.tls import device_agent_keys
 from provisioning import broker as prov
 
-pytestmark = [pytest.mark.mosquitto,
-              pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
-                                 reason="needs the mosquitto broker (apt-get install mosquitto)")]
+pytestmark = NEEDS_MOSQUITTO
 
 
 def free_port() -> int:
