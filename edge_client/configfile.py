@@ -21,11 +21,16 @@ import difflib
 import functools
 import json
 import math
-import tomllib
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (a Jetson's JetPack 6 system Python): the same parser from PyPI (pyproject: tomli)
+    import tomli as tomllib
 
 
 def read_config_file(path: str | Path, error: type[Exception], option: str = "--config") -> dict:

@@ -8,14 +8,23 @@
 #   provisioning/setup-device.sh --bundle pi-01.tar.gz --dry-run          # print every action, change nothing
 #   provisioning/setup-device.sh --bundle B --prefix /tmp/x --no-systemd  # a test install under /tmp/x
 #
-# torch: on a Raspberry Pi, PyPI's aarch64 wheel (CPU; manylinux_2_28, so glibc >= 2.28: Raspberry Pi OS
-# 12, Ubuntu 20.04+). On a Jetson, the same CPU wheel is installed by default; for CUDA use NVIDIA's
-# JetPack wheel (see docs/provisioning.md) with --system-site-packages --skip-torch.
+# torch (--torch, default auto; the choice and its reason are printed, also with --dry-run; docs/devices.md):
+#   system     the board's own torch, seen through --system-site-packages: a Jetson's JetPack torch (CUDA) on its
+#              system Python 3.10, or Debian's python3-torch (1.13, CPU); chosen by auto whenever $PYTHON already
+#              imports a torch >= $OLDEST_TORCH, and on a Jetson (where it must be there)
+#   cpu-index  torch==$TORCH_VERSION from PyTorch's CPU wheel index ($TORCH_INDEX): the CPU build for aarch64 and
+#              x86_64 (auto's choice otherwise). PyPI's own torch==$TORCH_VERSION is a CUDA 13 build on both
+#              (2.8 GB of nvidia wheels on a Pi): never chosen by auto
+#   pypi       torch==$TORCH_VERSION from the configured index (a mirror, or --pip-args)
+#   skip       no torch and no dependencies (= --skip-torch)
 set -euo pipefail
 
-MIN_PYTHON=3.11        # = requires-python in pyproject.toml (tests/test_setup_device.py checks)
+MIN_PYTHON=3.10        # = requires-python in pyproject.toml (tests/test_setup_device.py checks)
 TORCH_VERSION=2.13.0   # = the pin in scripts/bootstrap.sh (tests/test_setup_device.py checks)
-EDGE_DEPS=(numpy paho-mqtt psutil onnxruntime)   # the agent's dependencies, versions from constraints.txt
+OLDEST_TORCH=1.13      # the oldest torch the agent supports (Debian's python3-torch; tests/test_device_pythons.py)
+TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# the agent's dependencies, versions from constraints.txt (with environment markers per Python version)
+EDGE_DEPS=(numpy paho-mqtt psutil onnxruntime "tomli; python_version < '3.11'")
 SERVICE=dropfl-agent.service
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -29,12 +38,14 @@ PYTHON=python3
 AGENT=$SRC_DIR
 CONSTRAINTS=$SRC_DIR/constraints.txt
 SKIP_TORCH=0
+TORCH_SOURCE=auto
 SYSTEM_SITE=0
 PIP_ARGS=""
 BATTERY=auto
 AGENT_CONFIG=""
 SERVICE_USER=dropfl
 POWER_SUPPLY_DIR=${DROPFL_POWER_SUPPLY_DIR:-/sys/class/power_supply}
+NV_TEGRA_RELEASE=${DROPFL_NV_TEGRA_RELEASE:-/etc/nv_tegra_release}   # a Jetson's L4T release file (tests fake it)
 
 usage() {
   cat <<EOF
@@ -49,7 +60,11 @@ usage: $0 --bundle FILE|DIR [options]
   --dry-run                print every action, change nothing
   --python EXE             Python >= $MIN_PYTHON for the venv (default python3)
   --system-site-packages   let the venv see system packages (e.g. JetPack's CUDA torch)
-  --skip-torch             install only the agent (no torch or other dependencies; pip --no-deps)
+  --torch auto|system|cpu-index|pypi|skip
+                           where torch comes from (default auto: the board's own torch if \$PYTHON imports one,
+                           else PyTorch's CPU wheel index; see the header of this script)
+  --torch-index URL        the CPU wheel index (default $TORCH_INDEX; e.g. a local mirror)
+  --skip-torch             install only the agent (no torch or other dependencies; pip --no-deps) = --torch skip
   --agent PATH             dropfl source directory or wheel (default $SRC_DIR)
   --constraints FILE       version pins for the dependencies (default $CONSTRAINTS)
   --pip-args "ARGS"        extra pip arguments (e.g. "--no-index --find-links DIR")
@@ -95,7 +110,9 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY_RUN=1; shift ;;
     --python) PYTHON=${2:?--python needs an executable}; shift 2 ;;
     --system-site-packages) SYSTEM_SITE=1; shift ;;
-    --skip-torch) SKIP_TORCH=1; shift ;;
+    --skip-torch) TORCH_SOURCE=skip; shift ;;
+    --torch) TORCH_SOURCE=${2:?--torch needs a value}; shift 2 ;;
+    --torch-index) TORCH_INDEX=${2:?--torch-index needs a URL}; shift 2 ;;
     --agent) AGENT=${2:?--agent needs a path}; shift 2 ;;
     --constraints) CONSTRAINTS=${2:?--constraints needs a file}; shift 2 ;;
     --pip-args) PIP_ARGS=${2?--pip-args needs a value}; shift 2 ;;
@@ -110,6 +127,7 @@ done
 [ -z "$AGENT_CONFIG" ] || [ -f "$AGENT_CONFIG" ] || die "--agent-config $AGENT_CONFIG does not exist"
 [ -e "$AGENT" ] || die "--agent $AGENT does not exist"
 case $BATTERY in auto|psutil|model|mains) ;; *) die "--battery must be auto, psutil, model or mains" ;; esac
+case $TORCH_SOURCE in auto|system|cpu-index|pypi|skip) ;; *) die "--torch must be auto, system, cpu-index, pypi or skip" ;; esac
 if [ -n "$PREFIX" ]; then
   case $PREFIX in /*) ;; *) PREFIX=$(pwd)/$PREFIX ;; esac
 fi
@@ -135,9 +153,9 @@ case $arch in
 esac
 
 board=generic
-if [ -f /etc/nv_tegra_release ]; then
+if [ -f "$NV_TEGRA_RELEASE" ]; then
   board=jetson
-  say "board: NVIDIA Jetson, $(head -n 1 /etc/nv_tegra_release | cut -c1-60)"
+  say "board: NVIDIA Jetson, $(head -n 1 "$NV_TEGRA_RELEASE" | cut -c1-60)"
 elif [ -r /proc/device-tree/model ] && tr -d '\0' < /proc/device-tree/model | grep -q "Raspberry Pi"; then
   board=pi
   say "board: $(tr -d '\0' < /proc/device-tree/model)"
@@ -158,6 +176,8 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (install python3,
 py_version=$("$PYTHON" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
 "$PYTHON" -c "import sys; sys.exit(sys.version_info[:2] < tuple(map(int, '$MIN_PYTHON'.split('.'))))" \
   || die "Python $py_version is too old: dropfl needs >= $MIN_PYTHON (e.g. apt-get install python3.11 python3.11-venv, then --python python3.11)"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] > (3, 13))' \
+  || warn "Python $py_version is newer than the device side is tested with (3.10-3.13)"
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null \
   || die "$PYTHON cannot create venvs (apt-get install python3-venv, or python3.X-venv for your version)"
 say "python: $PYTHON $py_version"
@@ -169,11 +189,33 @@ if [ "$SYSTEMD" = 1 ]; then
   fi
   [ "$DRY_RUN" = 1 ] || [ "$(id -u)" = 0 ] || die "installing the service needs root (sudo), or use --no-systemd"
 fi
+# torch: which source, and why (said also in a dry run)
+system_torch=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+torch_ok=0
+if [ -n "$system_torch" ] && "$PYTHON" -c "import sys; v = tuple(int(x) for x in '${system_torch%%+*}'.split('.')[:2]); sys.exit(v < tuple(map(int, '$OLDEST_TORCH'.split('.'))))"; then
+  torch_ok=1
+fi
+why=""
+if [ "$TORCH_SOURCE" = auto ]; then
+  if [ "$torch_ok" = 1 ]; then TORCH_SOURCE=system; why="$PYTHON already has torch $system_torch"
+  elif [ "$board" = jetson ]; then TORCH_SOURCE=system; why="a Jetson uses NVIDIA's JetPack torch (CUDA) on its system Python"
+  else TORCH_SOURCE=cpu-index; why="the CPU build for $arch (PyPI's torch==$TORCH_VERSION is a CUDA build)"
+  fi
+fi
+case $TORCH_SOURCE in
+  system)
+    [ "$torch_ok" = 1 ] || die "--torch system: $PYTHON has no torch >= $OLDEST_TORCH${system_torch:+ (found $system_torch)}; on a Jetson install NVIDIA's JetPack torch wheel for the system Python, on Debian/Raspberry Pi OS apt-get install python3-torch, or use --torch cpu-index"
+    SYSTEM_SITE=1
+    say "torch: system, $system_torch from $PYTHON${why:+ ($why)}; the venv sees system packages" ;;
+  cpu-index) say "torch: cpu-index, torch==$TORCH_VERSION from $TORCH_INDEX${why:+ ($why)}" ;;
+  pypi)
+    msg="torch: pypi, torch==$TORCH_VERSION from the configured index"
+    case $arch in aarch64|arm64|x86_64) msg="$msg (on PyPI itself a CUDA 13 build: ~2.8 GB of nvidia wheels)" ;; esac
+    say "$msg" ;;
+  skip) SKIP_TORCH=1; say "torch: skip (the agent only, no dependencies)" ;;
+esac
 if [ "$SKIP_TORCH" = 0 ]; then
   [ -f "$CONSTRAINTS" ] || die "constraints file $CONSTRAINTS not found (pass --constraints FILE)"
-  if [ "$board" = jetson ] && [ "$SYSTEM_SITE" = 0 ]; then
-    say "jetson: installing PyPI's CPU torch; for CUDA install NVIDIA's JetPack torch wheel system-wide and re-run with --system-site-packages --skip-torch (docs/provisioning.md)"
-  fi
 fi
 
 # The bundle: exactly NAME/agent.json and NAME/ca.crt (a tar.gz), or a directory with those two files.
@@ -193,7 +235,14 @@ fi
 
 read_bundle() {  # read_bundle config|ca
   "$PYTHON" - "$1" "$BUNDLE" "$AGENT_CONFIG" "$battery" "$BATTERY" "$ETC/ca.crt" "$STATE" <<'PY'
-import json, sys, tarfile, tomllib
+import json, sys, tarfile
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (a Jetson's system Python)
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
 from pathlib import Path
 
 what, bundle, overlay, battery, battery_flag, ca_path, state = sys.argv[1:]
@@ -228,6 +277,10 @@ except (ValueError, KeyError, TypeError, AssertionError):
 cfg = {}
 if overlay:
     text = Path(overlay).read_text()
+    if not overlay.endswith(".json") and tomllib is None:
+        print(f"setup-device: error: --agent-config {overlay}: reading TOML needs Python >= 3.11 or tomli "
+              "(apt-get install python3-tomli); or give the config as JSON", file=sys.stderr)
+        sys.exit(2)
     cfg = json.loads(text) if overlay.endswith(".json") else tomllib.loads(text)
 cfg.setdefault("agent", {})
 cfg["agent"].setdefault("exit_when_done", False)  # a service waits for the next run
@@ -276,9 +329,26 @@ fi
 
 read -r -a pip_extra <<<"$PIP_ARGS"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-if [ "$SKIP_TORCH" = 0 ]; then
-  run "${PIP[@]}" install "${pip_extra[@]}" -c "$CONSTRAINTS" "torch==$TORCH_VERSION" "${EDGE_DEPS[@]}"
-fi
+case $TORCH_SOURCE in
+  cpu-index)
+    run "${PIP[@]}" install "${pip_extra[@]}" --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION"
+    run "${PIP[@]}" install "${pip_extra[@]}" -c "$CONSTRAINTS" "${EDGE_DEPS[@]}" ;;
+  pypi)
+    run "${PIP[@]}" install "${pip_extra[@]}" -c "$CONSTRAINTS" "torch==$TORCH_VERSION" "${EDGE_DEPS[@]}" ;;
+  system)
+    # keep the numpy the system torch was built against (Debian's torch 1.13 breaks with numpy 2): pin it
+    system_numpy=$("$PYTHON" -c 'import numpy; print(numpy.__version__)' 2>/dev/null || true)
+    if [ -n "$system_numpy" ]; then
+      pins=$OPT/constraints-system.txt
+      if [ "$DRY_RUN" = 0 ]; then
+        { grep -v -E '^(numpy|torch)==' "$CONSTRAINTS"; echo "numpy==$system_numpy"; } > "$pins"
+      fi
+      say "numpy: keeping the system's $system_numpy"
+    else
+      pins=$CONSTRAINTS
+    fi
+    run "${PIP[@]}" install "${pip_extra[@]}" -c "$pins" "${EDGE_DEPS[@]}" ;;
+esac
 # --no-deps: the agent needs only the packages above (the coordinator's cvxpy, matplotlib... stay off).
 run "${PIP[@]}" install "${pip_extra[@]}" --no-deps --force-reinstall "$AGENT"
 

@@ -15,7 +15,8 @@ from edge_client import datasets, federation, wire
 def _write_idx(path, arr: np.ndarray) -> None:
     head = struct.pack(">HBB", 0, 0x08, arr.ndim) + struct.pack(">" + "I" * arr.ndim, *arr.shape)
     data = head + arr.astype(np.uint8).tobytes()
-    (gzip.open if str(path).endswith(".gz") else open)(path, "wb").write(data)
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "wb") as f:  # closed: 3.12+ buffers gzip writes
+        f.write(data)
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])

@@ -18,6 +18,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from provisioning import broker
 
@@ -59,11 +60,13 @@ def bundle(tmp_path_factory: pytest.TempPathFactory, listener: socket.socket) ->
     return archive
 
 
-def setup(*args: str, power: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
+def setup(*args: str, power: Path | None = None, python: str = sys.executable,
+          jetson: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+           "DROPFL_NV_TEGRA_RELEASE": str(jetson) if jetson else "/nonexistent/nv_tegra_release"}
     if power is not None:
         env["DROPFL_POWER_SUPPLY_DIR"] = str(power)
-    return subprocess.run(["bash", str(SCRIPT), "--python", sys.executable, *args],
+    return subprocess.run(["bash", str(SCRIPT), "--python", python, *args],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -76,8 +79,8 @@ def test_dry_run_prints_every_action_and_creates_nothing(tmp_path: Path, bundle:
     actions = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
     expect = [
         f"+ mkdir -p {prefix}/opt/dropfl",
-        f"+ {sys.executable} -m venv {prefix}/opt/dropfl/venv",
-        f"-q install -c {REPO}/constraints.txt torch==2.13.0 numpy paho-mqtt psutil onnxruntime",
+        f"+ {sys.executable} -m venv --system-site-packages {prefix}/opt/dropfl/venv",
+        f"-q install -c {prefix}/opt/dropfl/constraints-system.txt numpy paho-mqtt psutil onnxruntime",
         f"install --no-deps --force-reinstall {wheel}",
         f"+ write {prefix}/etc/dropfl/ca.crt (mode 644)",
         f"+ write {prefix}/etc/dropfl/agent.json (mode 640)",
@@ -90,6 +93,47 @@ def test_dry_run_prints_every_action_and_creates_nothing(tmp_path: Path, bundle:
     password = json.loads(_bundle_agent(bundle))["agent"]["password"]
     assert password not in r.stdout + r.stderr
     assert "battery source: model" in r.stdout
+    # this venv's python has torch: auto uses it (the system source), keeping its numpy
+    assert f"torch: system, {torch.__version__} from {sys.executable}" in r.stdout
+
+
+def _python_without_torch() -> str | None:
+    for exe in sorted(Path.home().glob(".pyenv/versions/3.1[0-3].*/bin/python")):
+        if subprocess.run([str(exe), "-c", "import torch"], capture_output=True, timeout=60).returncode != 0:
+            return str(exe)
+    return None
+
+
+def test_torch_source_is_chosen_per_board_and_said(tmp_path: Path, bundle: Path, wheel: Path) -> None:
+    """auto: a Python without torch gets PyTorch's CPU index (never PyPI's CUDA build); a Jetson without a system
+    torch is refused with what to install; every source is printed, also in a dry run."""
+    bare = _python_without_torch()
+    if bare is None:
+        pytest.skip("no Python without torch under ~/.pyenv/versions")
+    common = ("--bundle", str(bundle), "--prefix", str(tmp_path / "p"), "--dry-run", "--agent", str(wheel))
+    r = setup(*common, python=bare, power=tmp_path / "none")
+    assert r.returncode == 0, r.stderr
+    assert "torch: cpu-index, torch==2.13.0 from https://download.pytorch.org/whl/cpu" in r.stdout
+    assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in r.stdout
+    assert "--system-site-packages" not in r.stdout
+
+    r = setup(*common, "--torch-index", "http://mirror.local/cpu", python=bare, power=tmp_path / "none")
+    assert "--index-url http://mirror.local/cpu torch==2.13.0" in r.stdout
+
+    r = setup(*common, "--torch", "pypi", python=bare, power=tmp_path / "none")
+    assert "CUDA 13 build" in r.stdout and f"-c {REPO}/constraints.txt torch==2.13.0 numpy" in r.stdout
+
+    release = tmp_path / "nv_tegra_release"
+    release.write_text("# R36 (release), REVISION: 4.0\n")
+    r = setup(*common, python=bare, power=tmp_path / "none", jetson=release)
+    assert r.returncode == 2 and "board: NVIDIA Jetson" in r.stdout
+    assert "--torch system" in r.stderr and "JetPack torch" in r.stderr and not (tmp_path / "p").exists()
+
+    r = setup(*common, "--torch", "system", python=bare, power=tmp_path / "none")
+    assert r.returncode == 2 and "no torch >= 1.13" in r.stderr
+
+    r = setup(*common, "--torch", "cuda", python=bare, power=tmp_path / "none")
+    assert r.returncode == 2 and "--torch must be" in r.stderr
 
 
 def test_install_into_a_prefix_without_systemd(tmp_path: Path, bundle: Path, wheel: Path) -> None:
