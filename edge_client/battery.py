@@ -1,7 +1,8 @@
 """Battery sources for the edge agent, chosen by its config (`[battery] source = ...`):
 
 - `psutil`: the device's real battery (`psutil.sensors_battery()`); refuses to start without one.
-- `trace`:  a recorded device trace (docs/traces.md schema), replayed against the agent's clock.
+- `trace`:  a recorded device trace (docs/traces.md schema), replayed against the agent's clock (its
+            optional temp_c column too: the thermal policy then sees the recorded temperature).
 - `model`:  an energy model: capacity, draw while idle and while training, charge rate, and a
             plugged-in schedule (windows in seconds since start, optionally repeating).
 - `mains`:  no battery (always powered, e.g. a Jetson on a bench supply).
@@ -30,6 +31,7 @@ class Reading:
     pct: float | None         # battery level in %, None = no battery / not recorded
     charging: bool | None     # on external power, None = not recorded
     online: bool = True       # network connected (a recorded trace may say otherwise)
+    temp_c: float | None = None  # a recorded trace's temperature (its temp_c column): replaces the sensors'
 
 
 @dataclass
@@ -78,6 +80,7 @@ _TRACE_RANGES = {
     "charging": (lambda x: x in (0, 1), "0 or 1"),
     "uplink_Bps": (lambda x: x >= 0, "a finite rate >= 0 bytes/s"),
     "downlink_Bps": (lambda x: x >= 0, "a finite rate >= 0 bytes/s"),
+    "temp_c": (lambda x: -40 <= x <= 200, "a temperature in -40..200 °C"),  # optional column (agents write it)
 }
 
 
@@ -90,8 +93,9 @@ def parse_trace_row(r: dict) -> tuple[float, dict[str, float | None]]:
 
     An empty cell, or a column the file lacks, is None: "not recorded" (t_s alone is required).
     Anything else must be a finite number in range: t_s >= 0, online and charging 0 or 1,
-    battery_pct 0..100, rates >= 0. A literal `nan` is an error, not "not recorded": a level that
-    is unknown is written as an empty cell. Shared by the coordinator (coordinator/availability/traces.py)."""
+    battery_pct 0..100, rates >= 0, temp_c (optional) -40..200. A literal `nan` is an error, not "not
+    recorded": a level that is unknown is written as an empty cell. Shared by the coordinator
+    (coordinator/availability/traces.py)."""
     if None in r or None in r.values():
         header = sum(k is not None for k in r)
         got = header - sum(v is None for k, v in r.items() if k is not None) + len(r.get(None) or [])
@@ -161,7 +165,8 @@ class TraceBattery:
         if last is None:
             return Reading(None, None, online=False)
         pct, charging, online = last["battery_pct"], last["charging"], last["online"]
-        return Reading(pct, None if charging is None else bool(charging), online is None or bool(online))
+        return Reading(pct, None if charging is None else bool(charging), online is None or bool(online),
+                       last.get("temp_c"))
 
     def training(self, seconds: float) -> None:
         pass

@@ -229,7 +229,7 @@ def client_round(model: nn.Module, layout: Layout, w_global: torch.Tensor, x: to
     start = merge_download(memory, layout, w_global) if sparse else w_global
     down = sparse_nbytes(layout, memory.masks) if sparse else dense_nbytes(layout)
     r = local_train(model, start.clone(), x, y, task)  # a copy: set_flat makes the parameters views of it
-    w_hat = get_flat(model)
+    w_hat = get_flat(model).to(w_global.device)  # the model may train on a GPU (agent --device cuda)
     masks = select_upload(layout, start, w_hat, float(task.dropout_rate), coverage)
     mask = flat_mask(layout, masks)
     delta = torch.where(mask, w_global - w_hat, torch.zeros_like(w_hat))

@@ -30,7 +30,7 @@ class SeededDropout(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         keep = torch.rand(self.mask_shape(x), generator=self.generator) >= self.p
-        return x * keep.to(x.dtype) / (1.0 - self.p)
+        return x * keep.to(x.device, x.dtype) / (1.0 - self.p)  # drawn on the CPU generator on any device
 
 
 class MimicCNN(nn.Module):

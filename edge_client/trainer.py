@@ -68,7 +68,11 @@ def batch_plan(n: int, task: TrainTask, gen: torch.Generator) -> list[torch.Tens
 
 def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                 task: TrainTask) -> LocalResult:
-    """Plain SGD (no momentum, no weight decay), cross-entropy, from `w_global`. Reference path."""
+    """Plain SGD (no momentum, no weight decay), cross-entropy, from `w_global`. Reference path.
+
+    The model and (x, y) may be on a GPU (the agent's `--device cuda`, edge_client/agent/device.py): the
+    weights are copied in, batch orders and dropout masks still come from the CPU generator, and the delta
+    comes back on `w_global`'s device (the CPU)."""
     start = time.perf_counter()
     gen = client_generator(task.seed, task.round, task.client)
     plan = batch_plan(len(y), task, gen)
@@ -80,7 +84,7 @@ def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: to
     anchor = [p.detach().clone() for p in params] if task.prox_mu else None
     corr = None
     if task.grad_correction is not None:
-        corr = list(torch.split(task.grad_correction, [p.numel() for p in params]))
+        corr = list(torch.split(task.grad_correction.to(params[0].device), [p.numel() for p in params]))
     loss_sum = 0.0
     for idx in plan:
         for p in params:
@@ -96,7 +100,7 @@ def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: to
                 if corr is not None:
                     g = g + corr[j].view_as(p)
                 p.add_(g, alpha=-task.lr)
-    delta = w_global - get_flat(model)
+    delta = w_global - get_flat(model).to(w_global.device)  # on w_global's device (the CPU: a no-op there)
     return LocalResult(delta, len(y), len(plan), loss_sum / max(len(plan), 1), time.perf_counter() - start)
 
 

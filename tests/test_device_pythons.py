@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 AGENT_TESTS = ["test_trainer.py", "test_models.py", "test_datasets.py", "test_partition.py", "test_field_wire.py",
                "test_agent_lean.py", "test_feddd_client.py", "test_configfile.py", "test_field_agent.py",
-               "test_wire_fuzz.py"]
+               "test_wire_fuzz.py", "test_agent_device.py"]
 
 
 def _agent_tests_import_only_what_the_agent_has() -> list[str]:
@@ -64,8 +64,8 @@ def test_agent_tests_pass_under(target: str) -> None:
     env["PYTHONPATH"] = str(REPO)
     run = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[f"tests/{t}" for t in AGENT_TESTS]],
                          capture_output=True, text=True, timeout=1500, cwd=REPO, env=env)
-    versions = subprocess.run([python, "-c", "import sys, torch, numpy; print(sys.version.split()[0], torch.__version__, "
-                               "numpy.__version__)"], capture_output=True, text=True, timeout=120).stdout.strip()
+    probe = "import sys, torch, numpy; print(sys.version.split()[0], torch.__version__, numpy.__version__)"
+    versions = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip()
     print(f"{target}: Python, torch, numpy = {versions}\n{run.stdout[-400:]}")
     assert run.returncode == 0, f"{target} ({versions}):\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
     assert " passed" in run.stdout and " failed" not in run.stdout

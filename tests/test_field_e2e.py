@@ -82,9 +82,9 @@ def test_trial_stops_everything_on_ctrl_c(tmp_path):
                                     "--out", str(out)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
     port = None
     for line in trial.stderr:
-        if line.startswith("broker "):
+        if line.startswith("[trial] broker "):
             port = int(line.rsplit(":", 1)[1])
-        if line.startswith("started 2 agents and the coordinator"):
+        if line.startswith("[trial] started 2 agents and the coordinator"):
             break
     trial.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
     _, err = trial.communicate(timeout=60)

@@ -109,8 +109,8 @@ def test_broker_never_back_stops_the_trial_and_trial_resume_finishes_it(tmp_path
                              cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         port = None
-        for line in trial.stderr:  # "broker mqtt://127.0.0.1:PORT": the trial's first progress line
-            m = re.match(r"broker mqtt://127\.0\.0\.1:(\d+)", line)
+        for line in trial.stderr:  # "[trial] broker mqtt://127.0.0.1:PORT": the trial's first info line
+            m = re.search(r"broker mqtt://127\.0\.0\.1:(\d+)", line)
             if m:
                 port = int(m.group(1))
                 break

@@ -77,13 +77,13 @@ def test_an_incomplete_or_damaged_reports_file_is_refused(tmp_path, capsys, dama
 
 
 def test_a_client_that_declined_is_not_trained_in_the_replay(tmp_path):
-    """Two edits of one FedDD log: client 0 dropped in round 1 for `deadline` (it trained: its upload counts
-    in the replay's bytes) or for `charging` (it declined: not trained, no bytes)."""
+    """Edits of one FedDD log: client 0 dropped in round 1 for `deadline` (it trained: its upload counts
+    in the replay's bytes) or for `charging` or `thermal` (it declined: not trained, no bytes)."""
     sim(tmp_path / "R", "--algo", "feddd", "--rounds", "2")
     with open(tmp_path / "R" / "participation.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     up = {}
-    for reason in ("deadline", "charging"):
+    for reason in ("deadline", "charging", "thermal"):
         d = tmp_path / reason
         d.mkdir()
         for r in rows:
@@ -101,3 +101,4 @@ def test_a_client_that_declined_is_not_trained_in_the_replay(tmp_path):
         assert (0 in ck["transport"]["clients"]["memory"] and
                 ck["transport"]["clients"]["memory"][0]["round"] == (1 if reason == "deadline" else 0))
     assert up["deadline"][0] == up["charging"][0] and up["deadline"][1] > up["charging"][1]
+    assert up["thermal"] == up["charging"]

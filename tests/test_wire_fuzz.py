@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_field_hub import make_hub
 
+from coordinator.field import telemetry
 from coordinator.field.collection import RoundState
 from edge_client import wire
 from edge_client.trainer import TrainTask
@@ -147,7 +148,7 @@ def test_a_shape_whose_int64_product_wraps_around_is_rejected():
        st.sampled_from(["update", "stats", "decline", "eval", "status", "heartbeat"]),
        st.dictionaries(st.sampled_from(["num_samples", "steps", "loss", "train_s", "download_s", "wait_s",
                                         "upload_s", "uplink_Bps", "accuracy", "samples", "seconds", "state",
-                                        "device", "reason", "available", "encoding", "event"]),
+                                        "device", "reason", "available", "encoding", "event", "telemetry"]),
                        json_values, max_size=6),
        st.sampled_from([None, [4], [2, 2], [5]]),
        st.booleans(), st.integers(min_value=0, max_value=3))
@@ -168,4 +169,5 @@ def test_hub_never_raises_and_aggregates_only_valid_updates(tmp_path_factory, su
     for st_meta in r.stats.values():
         assert all(st_meta.get(k) is None or isinstance(st_meta[k], int | float)
                    for k in ("upload_s", "upload_bytes", "uplink_Bps"))
+        assert telemetry.check(st_meta) is None  # what telemetry.jsonl gets: checked (coordinator/field/telemetry.py)
     assert "internal" not in hub.rejects

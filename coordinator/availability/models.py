@@ -16,7 +16,7 @@ import numpy as np
 from coordinator.errors import UserError
 
 REASONS = ("model_draw", "battery", "charging", "offline", "slow_link", "deadline", "declined",
-           "rejected", "not_selected", "trace")
+           "rejected", "not_selected", "trace", "thermal")
 
 
 @dataclass

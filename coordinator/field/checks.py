@@ -11,9 +11,11 @@ code and never aggregates the message.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
+from coordinator.field import telemetry
 from edge_client import wire
 
 # Reject codes added here; the wire's own are wire.MALFORMED, VERSION, TOO_LARGE, CHECKSUM, WRONG_RUN,
@@ -28,6 +30,7 @@ Reject = tuple[str, str]
 # optional numbers an update's meta may carry: None or finite and >= 0
 _UPDATE_NUMBERS = ("train_s", "download_s", "download_span_s", "wait_s", "train_samples_per_s", "label_score")
 _STATS_NUMBERS = ("upload_s", "upload_bytes", "uplink_Bps")
+TRAIN_DEVICE_RE = re.compile(r"^[a-z][a-z0-9_]{0,15}$")  # a torch device type: cpu, cuda, mps ...
 
 
 def max_update_bytes(num_params: int) -> int:
@@ -67,6 +70,9 @@ def update_meta(meta: dict, announced_samples: object) -> Reject | None:
     digest = meta.get("model_digest")
     if digest is not None and (not isinstance(digest, str) or len(digest) > 64):
         return META, f"meta model_digest = {str(digest)[:40]!r} is not a hex string"
+    device = meta.get("train_device")  # optional: where the agent trained (`cpu`, `cuda`; edge_client/agent/device.py)
+    if device is not None and not (isinstance(device, str) and TRAIN_DEVICE_RE.match(device)):
+        return META, f"meta train_device = {str(device)[:40]!r} is not a torch device type (1-16 of a-z0-9_)"
     return None
 
 
@@ -99,14 +105,16 @@ def update(m: wire.Message, num_params: int, announced_samples: object) -> Rejec
 
 
 def stats(m: wire.Message) -> Reject | None:
-    """`stats`: no tensor; upload_s, upload_bytes, uplink_Bps are null or finite non-negative numbers."""
+    """`stats`: no tensor; upload_s, upload_bytes, uplink_Bps are null or finite non-negative numbers; an
+    optional `telemetry` object as coordinator/field/telemetry.py checks it."""
     if m.tensor is not None:
         return SHAPE, "a stats message carries no tensor"
     for k in _STATS_NUMBERS:
         problem = _number_problem(m.meta, k)
         if problem:
             return META, problem
-    return None
+    problem = telemetry.check(m.meta)
+    return (META, problem) if problem else None
 
 
 def eval_meta(m: wire.Message) -> tuple[dict, Reject | None]:

@@ -1,7 +1,8 @@
 """Field mode's run: `setup_run` (coordinator/runsetup.py), the MQTT hub and transport, the round loop.
 
 Writes the same run directory as simulation, plus `field.jsonl` (per-round timings, drops, duplicates; agents'
-evaluations and status changes), `field.json` (run id, field options) and `model.onnx`. A broker outage longer
+evaluations and status changes), `telemetry.jsonl` (what each round cost each aggregated device),
+`field.json` (run id, field options) and `model.onnx`. A broker outage longer
 than --broker-outage-timeout (coordinator/field/outage.py) ends the run with a RunFailure that says how to
 resume, after the last finished round's checkpoint is saved.
 """
@@ -24,6 +25,7 @@ from coordinator.field.transport import MqttTransport, export_onnx
 from coordinator.loop import run_rounds
 from coordinator.rundir import CHECKPOINT, load_checkpoint_file
 from coordinator.runsetup import setup_run
+from coordinator.tracking import trackers
 from edge_client.models import num_params
 
 log = logging.getLogger("dropfl.coordinator")
@@ -47,8 +49,10 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
         log.info("run %s: %d agents online; %s", fc.run_id, got, "resuming" if resume else "starting")
         transport = MqttTransport(hub, run.model, run.input_shape, run.rundir.file("model.onnx"))
         try:
-            w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate, run.rundir,
-                           run.w0(), resume=resume, progress=progress, checkpoint=run.checkpoint)
+            with trackers(cfg, run.rundir.path, run.checkpoint) as observers:  # --track (coordinator/tracking.py)
+                w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate,
+                               run.rundir, run.w0(), resume=resume, progress=progress, checkpoint=run.checkpoint,
+                               observers=observers)
         except BrokerOutage as e:
             run.rundir.save_unsaved_checkpoint()  # the last finished round, if --checkpoint-every had not saved it
             raise RunFailure(f"{e}; {how_to_resume(run.rundir.path)}") from None

@@ -7,12 +7,13 @@ stats), declined, or gone offline, or until the deadline (extended while an uplo
 `collection.keeps_open`); it re-sends the task, model and ONNX to an agent that rejoins on its own control
 topic, and re-broadcasts what is outstanding after the coordinator reconnects. Tasks and models carry the
 model's digest (`wire.model_digest`). It then turns the updates into `ClientUpdate`s and
-writes the round's row of `field.jsonl`. The hub (connection, agents, collection) is
-coordinator/field/hub.py. Topics and messages: docs/protocol.md.
+writes the round's row of `field.jsonl` and a row per aggregated device in `telemetry.jsonl`. The hub
+(connection, agents, collection) is coordinator/field/hub.py. Topics and messages: docs/protocol.md.
 """
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.field import telemetry
 from coordinator.field.collection import RoundState, keeps_open
 from coordinator.field.hub import FieldHub
 from coordinator.field.outage import LOSS_SETTLE_S
@@ -36,14 +38,16 @@ log = logging.getLogger("dropfl.coordinator")
 
 def export_onnx(model: torch.nn.Module, w: torch.Tensor, input_shape: tuple[int, ...]) -> bytes:
     """The global model as an ONNX file (input `x` [batch, C, H, W], output `logits`). Uses the
-    TorchScript exporter (`dynamo=False`): the dynamo exporter needs onnxscript, absent offline."""
+    TorchScript exporter (`dynamo=False`): the dynamo exporter needs onnxscript, absent offline. torch < 2.1 (e.g.
+    Debian's 1.13, docs/devices.md) has only that exporter and no `dynamo` argument."""
     set_flat(model, w)
     model.eval()
     buf = io.BytesIO()
+    exporter = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (torch.zeros(1, *input_shape),), buf, dynamo=False, input_names=["x"],
-                          output_names=["logits"], dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}})
+        torch.onnx.export(model, (torch.zeros(1, *input_shape),), buf, input_names=["x"], output_names=["logits"],
+                          dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}}, **exporter)
     return buf.getvalue()
 
 
@@ -184,6 +188,10 @@ class MqttTransport:
                       "rejected_messages": float(sum(r.rejects.values())),  # all codes; by code in field.jsonl
                       "broker_outage_s": outage_s}  # the round's time disconnected from the broker
         self._log_round(r, updates, wall_s, export_s)
+        with hub.cond:  # what the round cost each aggregated device (coordinator/field/telemetry.py)
+            rows = [telemetry.row(t, c, hub.device_of(c), r.updates[c].meta, r.stats.get(c, {}),
+                                  updates[c].report.download_bytes) for c in updates]
+        telemetry.write_rows(hub.field_log.with_name("telemetry.jsonl"), rows)
         dropped = {c: why for c, why in r.dropped.items() if c not in updates}
         return updates, dropped
 
@@ -217,6 +225,7 @@ class MqttTransport:
                                "wait_s": meta.get("wait_s"),
                                "uplink_Bps": st.get("uplink_Bps"), "upload_bytes": st.get("upload_bytes"),
                                "train_samples_per_s": meta.get("train_samples_per_s"),
+                               "train_device": meta.get("train_device"),
                                "arrived_s": r.received_at[c] - r.started}
             if c in r.progress:  # the upload as the coordinator saw its chunks arrive
                 clients[str(c)]["upload_progress"] = r.progress[c].row()

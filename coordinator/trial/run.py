@@ -179,7 +179,8 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
         with tempfile.TemporaryDirectory(prefix="dropfl-trial-") as tmp, (net or contextlib.nullcontext()), \
                 (ProvisionedBroker(broker_dir) if broker_dir
                  else Mosquitto(workdir=tmp, hosts=net.hosts if net else ())) as broker:
-            print(f"broker {broker.url}", file=sys.stderr, flush=True)  # the trial's progress lines
+            # where the trial runs: info lines on stderr (hidden by --quiet, kept by --no-progress) and in the logs
+            log.info("broker %s", broker.url, extra={"fields": {"broker": broker.url}})
             try:  # processes stop before the broker does: agents still publish their offline status
                 for i in range(n):
                     adir = out / "agents" / f"client-{i}"
@@ -211,7 +212,7 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 procs.append(coord)
                 if net:
                     net.start_clock()  # trace time 0 = the coordinator's start
-                print(f"started {n} agents and the coordinator; logs in {out}", file=sys.stderr, flush=True)
+                log.info("started %d agents and the coordinator; logs in %s", n, out)
                 rc = coord.wait()
                 if rc != 0:
                     raise RunFailure(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}"
@@ -268,13 +269,15 @@ def _keep_trace(adir: Path) -> None:
 
 def merge_traces(out: Path) -> Path:
     """All agents' own traces in one device-trace CSV (docs/traces.md), ordered by device then time."""
+    from edge_client.agent.heartbeat import TRACE_FIELDS
+
     rows = []
     for p in sorted((out / "agents").glob("*/trace.csv")):
         with open(p, newline="") as f:
             rows.extend(csv.DictReader(f))
     dest = out / "device_trace.csv"
     with open(dest, "w", newline="") as f:
-        w = csv.DictWriter(f, ["device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps"])
+        w = csv.DictWriter(f, TRACE_FIELDS, restval="")  # the agents' trace.csv columns (temp_c: optional)
         w.writeheader()
         w.writerows(rows)
     return dest

@@ -2,19 +2,22 @@
 
 One agent is one client of the federation. It connects to the broker, announces itself (device facts
 and its data binding) with a retained status whose last will says offline, sends heartbeats (battery,
-charging, network counters, CPU load, and whether its policy lets it train), and answers round tasks:
+charging, temperature, network counters, CPU load, and whether its policy lets it train), and answers round tasks:
 it declines with its policy's reason, or trains with `edge_client.trainer.local_train` on its own
 shard (computed from dataset + partition + seed exactly as the simulation does), uploads the update,
-reports the measured transfer and training rates, and evaluates each new global model with
+reports the measured transfer and training rates and what the round cost the device (telemetry.py: seconds,
+CPU, peak RSS, temperature, battery, energy), and evaluates each new global model with
 onnxruntime on its own test split when idle (never delaying a task: work.py). It reads only its own
 rows of the dataset (data.py). It records its own availability trace (docs/traces.md schema).
 
 Threads: paho's network thread only queues messages; the main thread handles them (training happens
-there); a heartbeat thread samples the battery and publishes. Never imports `coordinator`.
+there); a heartbeat thread samples the battery and publishes; where the device has a power sensor, a
+sampler thread reads it while a round is measured (edge_client/telemetry.py). Never imports `coordinator`.
 
 The parts:
     config.py     the config file (sections, loading), broker URL, TOPIC_ROOT, AgentError, the logger
     data.py       the data binding and this client's shard
+    device.py     where it trains (`[agent] device` / `--device auto|cpu|cuda`), deterministic CUDA
     link.py       MQTT plumbing: client, status, callbacks into the inbox, publishing an update
     heartbeat.py  availability: policy verdict, heartbeat thread, trace.csv
     work.py       the work: handling messages, tasks, training and upload (FedDD too), evaluation
@@ -50,11 +53,14 @@ from edge_client.agent.config import (
     who,
 )
 from edge_client.agent.data import binding_of, load_shard
+from edge_client.agent.device import describe, place
+from edge_client.agent.device import resolve as resolve_device
 from edge_client.agent.heartbeat import TRACE_FIELDS, Heartbeat
 from edge_client.agent.link import Link
 from edge_client.agent.work import Work
 from edge_client.battery import BatteryError, make_battery
 from edge_client.models import build_model
+from edge_client.telemetry import RoundRecord, Telemetry
 from edge_client.trainer import TrainTask
 
 __all__ = ["TOPIC_ROOT", "TRACE_FIELDS", "Agent", "AgentConfig", "AgentData", "AgentError", "AgentModel",
@@ -67,6 +73,7 @@ class Agent(Link, Heartbeat, Work):
 
     def __init__(self, cfg: AgentConfig):
         self.cfg, self.id, self.client_idx = cfg, cfg.device_id, cfg.agent.client
+        self.device = resolve_device(cfg.agent.device)  # first: `cuda` without CUDA stops here (device.py)
         self.brokers = Brokers(cfg.agent.broker, "agent.broker")  # the URL list and failover (link.py)
         try:
             self.battery = make_battery(cfg.battery, self.id)
@@ -83,6 +90,8 @@ class Agent(Link, Heartbeat, Work):
         self.reasm = wire.Reassembler(self.limits)
         self.layout = feddd.unit_layout(self.model)                    # FedDD: channels/neurons of the model
         self.label_score = feddd.label_score(self.y, ds.num_classes)   # FedDD q_n, sent with every update
+        # training on the device from here on (the test split stays on the CPU for onnxruntime)
+        self.model, self.x, self.y = place(self.model, self.x, self.y, self.device)
         self.feddd_memory: tuple[str, feddd.Memory] | None = None      # run, last upload (eq. 5)
         self.base = f"{TOPIC_ROOT}/device/{self.id}"
         self.inbox: queue.Queue = queue.Queue()
@@ -99,9 +108,11 @@ class Agent(Link, Heartbeat, Work):
         self.task: tuple[str, TrainTask, float, str | None] | None = None  # run, task, received at, model digest
         self._task_arrival: tuple[str, int, float] | None = None           # run, round, arrival (monotonic)
         self._first_chunk_at: dict[tuple, float] = {}                      # a message's first chunk's arrival
-        self.cache: tuple[str, int, str, list[bytes]] | None = None       # last update (run, round, model digest)
+        # last update: run, round, model digest, frames, its telemetry record (re-sent when asked again)
+        self.cache: tuple[str, int, str, list[bytes], RoundRecord] | None = None
         self.rates = {"uplink_Bps": None, "downlink_Bps": None, "train_samples_per_s": None}
         self.rounds_trained = 0
+        self.telemetry = Telemetry(cfg.telemetry, cfg.battery)  # sensors, the round's record (telemetry.py)
         self._open_trace(Path(cfg.agent.out or f"agents/{self.id}"))
         self.mqtt = self._make_client()
         self._hb_thread = threading.Thread(target=self._heartbeats, name=f"hb-{self.id}", daemon=True)
@@ -110,6 +121,7 @@ class Agent(Link, Heartbeat, Work):
     def start(self) -> None:
         self.mqtt.connect_async(*self.brokers.address, keepalive=self.cfg.agent.keepalive_s)
         self.mqtt.loop_start()
+        self.telemetry.start()
         self._hb_thread.start()
 
     def stop(self) -> None:
@@ -134,6 +146,7 @@ class Agent(Link, Heartbeat, Work):
         self.stopping.set()
         self._beat_now.set()
         self._hb_thread.join(timeout=5)
+        self.telemetry.stop()
         if self.connected.is_set():
             info = self.mqtt.publish(f"{self.base}/status", self._status_frame("offline"), qos=1, retain=True)
             try:
@@ -159,7 +172,7 @@ def run_agent(cfg: AgentConfig, log_level: str = "info") -> int:
     threading.Thread(target=lambda: (signals.get(), agent.stop()), name="signals", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: signals.put(True))
-    log.info(f"client {cfg.agent.client}: {len(agent.y)} training samples, broker {cfg.agent.broker}",
-             extra=who(agent.id))
+    log.info(f"client {cfg.agent.client}: {len(agent.y)} training samples, broker {cfg.agent.broker}, "
+             f"training on {describe(agent.device)}", extra=who(agent.id))
     agent.run()
     return 0

@@ -1,10 +1,10 @@
 """The agent's config file and the names its parts share.
 
-Owns the config sections (`AgentSection`, `AgentData`, `AgentModel`, with `PolicyConfig` and
-`BatteryConfig` from their own modules), reading them (`config_from_dict`, `load_config`), the broker
-URLs (`broker_address` for one, `broker_urls` for a list, `Brokers` for a client's failover over them),
-the topic root every MQTT topic hangs under (`TOPIC_ROOT`), the agent's one exception (`AgentError`)
-and its logger (`log`, "dropfl.agent"; pass `extra=who(device_id)` so the human line reads
+Owns the config sections (`AgentSection`, `AgentData`, `AgentModel`, with `PolicyConfig`,
+`BatteryConfig` and `TelemetryConfig` from their own modules), reading them (`config_from_dict`,
+`load_config`), the broker URLs (`broker_address` for one, `broker_urls` for a list, `Brokers` for a
+client's failover over them), the topic root every MQTT topic hangs under (`TOPIC_ROOT`), the agent's
+one exception (`AgentError`) and its logger (`log`, "dropfl.agent"; pass `extra=who(device_id)` so the human line reads
 `[agent <device>] text`).
 
 Config file (TOML or JSON), sections and keys as the dataclasses below, e.g.
@@ -38,8 +38,10 @@ from urllib.parse import urlparse
 from edge_client.battery import BatteryConfig
 from edge_client.configfile import fill_sections, read_config_file
 from edge_client.monitor import PolicyConfig
+from edge_client.telemetry import TelemetryConfig
 
 TOPIC_ROOT = "dropfl/v1"
+DEVICES = ("auto", "cpu", "cuda")  # [agent] device / --device (edge_client/agent/device.py)
 DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # as provisioning/broker.py NAME_RE
 
 log = logging.getLogger("dropfl.agent")
@@ -74,6 +76,9 @@ class AgentSection:
     keepalive_s: int = _f(60, minimum=0, maximum=65535)
     out: str | None = None                 # directory for trace.csv (default: agents/<device_id>)
     threads: int = _f(1, minimum=1)        # torch threads for training
+    # where to train: cpu (default: bitwise equal to the simulation), cuda (refused without CUDA), auto (cuda
+    # where torch.cuda.is_available(), else cpu); CUDA runs deterministic (edge_client/agent/device.py)
+    device: str = field(default="cpu", metadata={"choices": DEVICES})
     slowdown_s_per_step: float = _f(0.0, minimum=0)  # emulate a slower device: extra seconds per SGD step
     uplink_limit_Bps: float = _f(0.0, minimum=0)     # emulate a slow uplink: pace the update's chunks (0: off)
     exit_when_done: bool = True            # exit when the coordinator announces the run finished
@@ -109,6 +114,7 @@ class AgentConfig:
     model: AgentModel = field(default_factory=AgentModel)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     battery: BatteryConfig = field(default_factory=BatteryConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # sensors: edge_client/telemetry.py
 
     @property
     def device_id(self) -> str:

@@ -1,12 +1,12 @@
 """The agent's availability (`Heartbeat`, a mixin of `Agent`).
 
 Owns the availability policy's verdict (`policy_reason`: None when the agent may train, else why
-not, from edge_client.monitor.decide on the battery reading and the broker connection), the
-heartbeat thread (every heartbeat_s, or at once when `_beat_now` is set: battery, charging, network
-counters, CPU load, availability, the measured rates), and the agent's own availability trace
+not, from edge_client.monitor.decide on the battery reading, the broker connection and the temperature), the
+heartbeat thread (every heartbeat_s, or at once when `_beat_now` is set: battery, charging, temperature,
+network counters, CPU load, availability, the measured rates), and the agent's own availability trace
 (`trace.csv` in the agent's out directory, docs/traces.md schema), one row per heartbeat.
 
-Uses the Agent's cfg, id, client_idx, base, battery, connected, stopping, rates, rounds_trained,
+Uses the Agent's cfg, id, client_idx, base, battery, telemetry, connected, stopping, rates, rounds_trained,
 t0, _beat_now, mqtt.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from edge_client import wire
 from edge_client.monitor import decide, system_sample
 
-TRACE_FIELDS = ("device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps")
+TRACE_FIELDS = ("device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps", "temp_c")
 
 
 def _fmt(v: float | None) -> str:
@@ -39,7 +39,12 @@ class Heartbeat:
         return time.monotonic() - self.t0
 
     def policy_reason(self) -> str | None:
-        return decide(self.cfg.policy, self.battery.read(self.now()), self.connected.is_set())
+        reading = self.battery.read(self.now())
+        return decide(self.cfg.policy, reading, self.connected.is_set(), self.temperature(reading))
+
+    def temperature(self, reading) -> float | None:
+        """A replayed trace's recorded temperature where it has one, else the device's (edge_client/sensors.py)."""
+        return reading.temp_c if reading.temp_c is not None else self.telemetry.temperature()
 
     def _heartbeats(self) -> None:
         while not self.stopping.is_set():
@@ -51,8 +56,9 @@ class Heartbeat:
         t = self.now()
         reading = self.battery.read(t)
         connected = self.connected.is_set()
-        reason = decide(self.cfg.policy, reading, connected)
-        meta = {"t_s": t, "battery_pct": reading.pct, "charging": reading.charging,
+        temp = self.temperature(reading)
+        reason = decide(self.cfg.policy, reading, connected, temp)
+        meta = {"t_s": t, "battery_pct": reading.pct, "charging": reading.charging, "temp_c": temp,
                 "net_up": connected and reading.online, "available": reason is None, "reason": reason,
                 "rounds_trained": self.rounds_trained} | system_sample() | self.rates
         if connected:
@@ -62,5 +68,6 @@ class Heartbeat:
                               "battery_pct": "" if reading.pct is None else f"{reading.pct:.2f}",
                               "charging": "" if reading.charging is None else int(reading.charging),
                               "uplink_Bps": _fmt(self.rates["uplink_Bps"]),
-                              "downlink_Bps": _fmt(self.rates["downlink_Bps"])})
+                              "downlink_Bps": _fmt(self.rates["downlink_Bps"]),
+                              "temp_c": "" if temp is None else f"{temp:.1f}"})
         self._trace_file.flush()

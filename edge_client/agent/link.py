@@ -8,10 +8,11 @@ thread (on_connect subscribes and announces "online", on_disconnect, on_message 
 `self.inbox`, and answers the coordinator's announce request at once), and publishing: `_publish` for small messages and
 `_send_update` for an update's chunks (at most `upload_window` unacknowledged at once, so heartbeats
 pass between them; paced to uplink_limit_Bps; waits for the broker's PUBACKs, then reports the upload's
-time and rate on update/stats). Arrival times handed to the inbox are this host's `time.monotonic()`.
+time and rate, and the round's telemetry, on update/stats). Arrival times handed to the inbox are this
+host's `time.monotonic()`.
 
 Uses the Agent's cfg, id, client_idx, base, binding, brokers, y, inbox, connected, stopping, rates, _beat_now,
-mqtt.
+mqtt, battery, now.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from paho.mqtt import client as mqtt
 from edge_client import wire
 from edge_client.agent.config import TOPIC_ROOT, AgentError, log, who
 from edge_client.monitor import device_facts
+from edge_client.telemetry import RoundRecord
 
 
 class Link:
@@ -106,10 +108,20 @@ class Link:
             return False
         return True
 
-    def _send_update(self, run: str, rnd: int, frames: list[bytes]) -> None:
+    def _send_update(self, run: str, rnd: int, frames: list[bytes], record: RoundRecord | None = None) -> None:
         """Publish the update's chunks with at most `upload_window` unacknowledged at once (the next chunk
         waits for the broker's PUBACK of the one `upload_window` back, so a heartbeat, published by its own
-        thread, waits behind at most that many chunks), then report the upload time on update/stats."""
+        thread, waits behind at most that many chunks), then report the upload time on update/stats, with
+        the round's `record` as meta `telemetry` (edge_client/telemetry.py)."""
+        if record is not None:
+            record.begin("upload", busy=False)
+        try:
+            self._upload(run, rnd, frames, record)
+        finally:
+            if record is not None:
+                record.end()  # an interrupted upload closes its phase too
+
+    def _upload(self, run: str, rnd: int, frames: list[bytes], record: RoundRecord | None) -> None:
         start = time.perf_counter()
         infos, sent, limit, window = [], 0, self.cfg.agent.uplink_limit_Bps, self.cfg.agent.upload_window
         try:
@@ -130,5 +142,7 @@ class Link:
         upload_s = time.perf_counter() - start
         nbytes = sum(len(f) for f in frames)
         self.rates["uplink_Bps"] = nbytes / upload_s if upload_s > 0 else None
-        self._publish("update/stats", wire.encode("stats", run, rnd, self.client_idx, meta={
-            "upload_s": upload_s, "upload_bytes": nbytes, "uplink_Bps": self.rates["uplink_Bps"]}))
+        meta = {"upload_s": upload_s, "upload_bytes": nbytes, "uplink_Bps": self.rates["uplink_Bps"]}
+        if record is not None:
+            meta["telemetry"] = record.finish(self.battery.read(self.now()).pct)
+        self._publish("update/stats", wire.encode("stats", run, rnd, self.client_idx, meta=meta))

@@ -18,8 +18,12 @@ round's ONNX model arrives before an evaluation finished, that evaluation is ski
 device too slow to evaluate every round evaluates the rounds it can. `eval_every` k evaluates only rounds
 that are multiples of k (0: never); onnxruntime is imported on the first evaluation.
 
+Each trained round is measured in a `RoundRecord` (edge_client/telemetry.py: seconds, CPU, peak RSS,
+temperature, battery, energy of training and upload), each evaluation in an `EvalMeter` (its busy stretches
+only); both go with the round's stats (link.py).
+
 Uses the Agent's cfg, id, client_idx, model, layout, label_score, feddd_memory, x, y, test_x, test_y,
-reasm, limits, battery, stopping, rates, weights, onnx, evaluated, task, cache, rounds_trained.
+reasm, limits, battery, telemetry, stopping, rates, weights, onnx, evaluated, task, cache, rounds_trained.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from edge_client import feddd, wire
 from edge_client.agent.config import log, who
+from edge_client.telemetry import EvalMeter, RoundRecord
 from edge_client.trainer import TrainTask, local_train
 
 _libc = None
@@ -124,7 +129,7 @@ class Work:
             return
         if self.cache is not None and self.cache[:2] == (h.run, h.round):
             if digest is None or digest == self.cache[2]:  # re-request after a reconnect: the same update
-                self._send_update(h.run, h.round, self.cache[3])
+                self._send_update(h.run, h.round, self.cache[3], self.cache[4])
                 return
             log.info(f"round {h.round}: the cached update was trained on model {self.cache[2]}, the task's is "
                      f"{digest}: training again", extra=who(self.id))
@@ -174,6 +179,8 @@ class Work:
 
     def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float | None,
                           wait_s: float = 0.0) -> None:
+        record = RoundRecord(self.telemetry, self.battery.read(self.now()).pct)  # what the round costs
+        record.begin("train", busy=True)
         start = time.perf_counter()
         sparse_payload = None
         if task.dropout_rate is None:
@@ -186,13 +193,14 @@ class Work:
         if self.cfg.agent.slowdown_s_per_step > 0 and self.stopping.wait(self.cfg.agent.slowdown_s_per_step * r.steps):
             return
         train_s = time.perf_counter() - start
+        record.end()
         self.battery.training(train_s)
         samples = r.steps * min(task.batch_size, len(self.y))
         self.rates["train_samples_per_s"] = samples / train_s if train_s > 0 else None
         digest = self.weights[5] if self.weights is not None and self.weights[2] is w else wire.model_digest(w)
         meta = {"num_samples": r.num_samples, "steps": r.steps, "loss": _finite(r.loss), "train_s": train_s,
                 "download_s": download_s, "wait_s": wait_s, "train_samples_per_s": self.rates["train_samples_per_s"],
-                "model_digest": digest}
+                "model_digest": digest, "train_device": self.device.type}  # cpu or cuda (device.py)
         if self.weights is not None and self.weights[2] is w:
             meta["download_span_s"] = self.weights[6]  # the model's first chunk to its last, this host's clock
         body = r.delta
@@ -201,9 +209,9 @@ class Work:
             meta |= {"encoding": feddd.WIRE_ENCODING, "dropout_rate": task.dropout_rate,
                      "label_score": self.label_score}
         frames = wire.encode("update", run, task.round, self.client_idx, body, meta, self._upload_limits())
-        self.cache = (run, task.round, digest, frames)
+        self.cache = (run, task.round, digest, frames, record)
         self.rounds_trained += 1
-        self._send_update(run, task.round, frames)
+        self._send_update(run, task.round, frames, record)
         release_memory()
 
     def _upload_limits(self) -> wire.Limits:
@@ -227,6 +235,8 @@ class Work:
         import onnxruntime as ort
 
         busy, start = 0.0, time.perf_counter()
+        meter = EvalMeter(self.telemetry)  # its seconds and energy go with the next update (telemetry.py)
+        meter.resume()
         step = self.cfg.agent.eval_batch
         correct = 0
         try:
@@ -239,13 +249,17 @@ class Work:
             name = sess.get_inputs()[0].name
             for i in range(0, len(self.test_y), step):
                 busy += time.perf_counter() - start
+                meter.pause()
                 yield
+                meter.resume()
                 start = time.perf_counter()
                 correct += self._eval_batch(sess, name, self.test_x[i:i + step], self.test_y[i:i + step])
         except Exception as e:  # onnxruntime raises its own exception types for a bad or foreign model
             log.warning(f"round {rnd}: could not evaluate the ONNX model: {e}", extra=who(self.id))
+            meter.pause()
             return
         busy += time.perf_counter() - start
+        meter.done(rnd)
         del sess
         release_memory()
         acc = correct / max(len(self.test_y), 1)
