@@ -440,7 +440,7 @@ def test_existing_run_untouched(box, fuzzed, bad, resume):
     fuzzed = [a for a in fuzzed if a != "--out" and not a.startswith("--out=")]
     argv = ["sim", *TINY_RUN[1:], "--threads", "1", *[_fill(a, case, box) for a in [*fuzzed, *bad]],
             "--out", str(box.run)]
-    if resume:
+    if resume or bad == ["--overwrite"]:  # --overwrite is bad input only beside --resume (alone it replaces RUN)
         argv.append("--resume")
     code, err = check(box, argv, case)
     assert code != 0, f"{argv!r} should have failed: {err}"

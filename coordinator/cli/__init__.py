@@ -6,7 +6,8 @@ this file only wires them together and turns every failure into one line on stde
     dropfl: error: internal error ... crash.log  exit 1: a bug; the traceback is in the crash log
 
 `--debug` shows tracebacks instead; `--log-level` sets what reaches stderr (the run directory's log.txt and
-log.jsonl always get debug and up)."""
+log.jsonl always get debug and up); `--quiet` turns off every progress bar and progress line (it sets
+`args.no_progress`, which each long command reads) and lowers stderr to warnings and errors."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from edge_client import logs
 
 SUBCOMMANDS = ["coordinator.cli.sim", "coordinator.cli.trace", "coordinator.cli.provision", "coordinator.cli.client",
                "coordinator.cli.coordinator", "coordinator.cli.report", "coordinator.cli.trial",
-               "coordinator.cli.reproduce", "coordinator.cli.links"]
+               "coordinator.cli.reproduce", "coordinator.cli.links",
+               "coordinator.cli.dashboard"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,10 +40,14 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     d = argparse.SUPPRESS
     if "--log-level" in parser._option_string_actions:  # `dropfl client` declares its own (edge_client)
         return
-    parser.add_argument("--log-level", choices=logs.LEVELS, default=d if suppress else "info",
-                        help="what reaches stderr (default: info); the run directory's logs keep debug")
+    parser.add_argument("--log-level", choices=logs.LEVELS, default=d if suppress else None,
+                        help="what reaches stderr (default: info; with --quiet: warning); the run directory's logs "
+                             "keep debug")
     parser.add_argument("--debug", action="store_true", default=d if suppress else False,
                         help="show tracebacks instead of one-line errors")
+    parser.add_argument("--quiet", action="store_true", default=d if suppress else False,
+                        help="no progress output (bars, per-round lines; implies --no-progress) and only warnings "
+                             "and errors on stderr unless --log-level is given; results still go to stdout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +89,10 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.setup(args.log_level)
+    quiet = getattr(args, "quiet", False)
+    if quiet:  # every command reads its progress switch from here (`--no-progress` where it has the flag)
+        args.no_progress = True
+    logs.setup(args.log_level or ("warning" if quiet else "info"))
     errors.current_run_dir = None
     try:
         return int(args.func(args) or 0)

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from coordinator import config
+from coordinator.dashboard import server as dashboard
 from coordinator.errors import UserError
 from coordinator.field.run import run_field
 from edge_client.agent.config import AgentError, broker_urls
@@ -61,6 +62,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint.pt")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
+    dashboard.add_option(p)
     p.set_defaults(func=run)
 
 
@@ -110,7 +112,8 @@ def run(args) -> int:
     cfg.run.out = out
     fc = field_config(args, Path(out), args.resume)
     signal.signal(signal.SIGTERM, _interrupt)
-    run_field(cfg, fc, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    with dashboard.serving(args, out):
+        run_field(cfg, fc, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"run directory: {out}")
     return 0
 

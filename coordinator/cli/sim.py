@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from coordinator import config
+from coordinator.dashboard import server as dashboard
 
 
 def add_parser(sub) -> None:
@@ -22,6 +23,7 @@ def add_parser(sub) -> None:
                    help="replace the run in --out (without --resume or --overwrite, a directory that holds a run "
                         "is never touched)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dashboard.add_option(p)
     p.set_defaults(func=run)
 
 
@@ -36,7 +38,8 @@ def run(args) -> int:
     cfg = config.resolve(args, list(STRATEGIES))
     out = cfg.run.out or default_out(cfg)
     cfg.run.out = out
-    rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    with dashboard.serving(args, out):
+        rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     last = _last_eval(rundir.file("metrics.jsonl"))
     print(f"run directory: {out}")
     if last:

@@ -19,9 +19,11 @@ def add_parser(sub) -> None:
     imp.add_argument("--horizon", type=float, default=None,
                      help="unroll the periodic pattern up to this many seconds (default: one period)")
     imp.add_argument("--max-devices", type=int, default=None, help="keep only the first N devices")
+    imp.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
     imp.set_defaults(func=run_import)
-    show = tsub.add_parser("show", help="summarise a participation log (a run directory or participation.csv)")
-    show.add_argument("path", help="run directory or participation.csv")
+    show = tsub.add_parser("show", help="summarise a participation log (a run directory, participation.csv or "
+                                        "participation/)")
+    show.add_argument("path", help="run directory, participation.csv or the columnar participation/")
     show.set_defaults(func=run_show)
 
 
@@ -33,7 +35,8 @@ def run_import(args) -> int:
         check_value("--horizon", args.horizon, float, {"gt": 0}, "", UserError)
     if args.max_devices is not None:  # 0 meant all devices, -1 all but the last
         check_value("--max-devices", args.max_devices, int, {"minimum": 1}, "", UserError)
-    n = import_fedscale(args.pickle, args.out, args.horizon, args.max_devices)
+    n = import_fedscale(args.pickle, args.out, args.horizon, args.max_devices,
+                        progress=not getattr(args, "no_progress", False))
     print(f"wrote {n} devices to {args.out}")
     return 0
 
@@ -42,6 +45,10 @@ def summarise(path: str | Path) -> dict:
     from coordinator.availability.participation import read_rows
 
     p = Path(path)
+    if p.is_dir() and (p / "participation").is_dir():
+        p = p / "participation"
+    if p.is_dir() and p.name == "participation":  # the columnar log (coordinator/availability/columnar.py)
+        return summarise_columnar(p)
     if p.is_dir():
         p = p / "participation.csv"
     if not p.exists():
@@ -53,6 +60,23 @@ def summarise(path: str | Path) -> dict:
     reasons = Counter(r["reason"] for r in rows if r["status"] in ("unavailable", "dropped"))
     return {"rounds": len(rounds), "clients": len(clients), "status": dict(status), "reasons": dict(reasons),
             "participants_per_round": status["participated"] / max(len(rounds), 1)}
+
+
+def summarise_columnar(p: Path) -> dict:
+    import numpy as np
+
+    from coordinator.availability import columnar
+    from coordinator.availability.models import REASONS
+
+    rounds, status, reason = columnar.read_columnar(p)
+    counts = np.bincount(status.ravel(), minlength=len(columnar.STATUSES))
+    absent = (status == columnar.UNAVAILABLE) | (status == columnar.DROPPED)
+    why = np.bincount(reason[absent], minlength=len(REASONS) + 1)
+    names = ("",) + REASONS
+    return {"rounds": len(rounds), "clients": status.shape[1],
+            "status": {s: int(c) for s, c in zip(columnar.STATUSES, counts) if c},
+            "reasons": {names[k]: int(c) for k, c in enumerate(why) if c},
+            "participants_per_round": int(counts[columnar.PARTICIPATED]) / max(len(rounds), 1)}
 
 
 def run_show(args) -> int:

@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from coordinator import config
+from coordinator.dashboard import server as dashboard
 from coordinator.errors import UserError
 from coordinator.rundir import check_out
 from coordinator.trial.run import DEFAULT_PROFILES, PROFILES, TRIAL_CONFIG, TRIAL_JSON, TrialOptions, run_trial
@@ -52,9 +53,10 @@ def add_parser(sub) -> None:
     g.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the trial in RUN_DIR from its last checkpoint: a new private broker, the same "
                         "agents and the coordinator with --resume (the trial's options and config come from "
-                        "RUN_DIR; only --broker-outage-timeout and --no-progress may be given)")
+                        "RUN_DIR; only --broker-outage-timeout, --no-progress and --dashboard may be given)")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     g.add_argument("--no-progress", action="store_true", help="no progress output")
+    dashboard.add_option(p)
     p.set_defaults(func=run)
 
 
@@ -93,8 +95,9 @@ def run(args) -> int:
     extra = {"overwrite": True} if args.overwrite else {}
     if args.broker_outage_timeout != TRIAL_FLAGS["--broker-outage-timeout"][1]:
         extra["broker_outage_timeout_s"] = args.broker_outage_timeout
-    summary = run_trial(cfg, out, profiles, args.deadline, args.heartbeat, args.max_slowdown, not args.no_progress,
-                        links=args.links, broker_dir=args.broker_dir, **extra)
+    with dashboard.serving(args, out):
+        summary = run_trial(cfg, out, profiles, args.deadline, args.heartbeat, args.max_slowdown, not args.no_progress,
+                            links=args.links, broker_dir=args.broker_dir, **extra)
     print(summary)
     return 0
 
@@ -130,9 +133,10 @@ def resume(args) -> int:
                         f"{opts.agents} agents; restore the trial's files")
     cfg.run.out = str(out)
     opts.save(out)
-    summary = run_trial(cfg, out, opts.profiles, opts.deadline_s, opts.heartbeat_s, opts.max_slowdown,
-                        not args.no_progress, links=opts.links, broker_dir=opts.broker_dir,
-                        broker_outage_timeout_s=opts.broker_outage_timeout_s, resume=True)
+    with dashboard.serving(args, out):
+        summary = run_trial(cfg, out, opts.profiles, opts.deadline_s, opts.heartbeat_s, opts.max_slowdown,
+                            not args.no_progress, links=opts.links, broker_dir=opts.broker_dir,
+                            broker_outage_timeout_s=opts.broker_outage_timeout_s, resume=True)
     print(summary)
     return 0
 
