@@ -51,11 +51,12 @@ def max_seed(rounds: int, clients: int) -> int:
 
 
 def opt(default, help: str, choices=None, flag: str | None = None, *, minimum=None, maximum=None, gt=None,
-        lt=None):
+        lt=None, repeat: bool = False):
     """A config field: its `--help` text, choices, flag name (default --field-name) and range
-    (`minimum`/`maximum` inclusive, `gt`/`lt` exclusive), checked by `check_value` for file and flag values."""
+    (`minimum`/`maximum` inclusive, `gt`/`lt` exclusive), checked by `check_value` for file and flag values.
+    `repeat`: a comma-separated list whose flag may also be given several times (the values are joined)."""
     return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "minimum": minimum,
-                                            "maximum": maximum, "gt": gt, "lt": lt})
+                                            "maximum": maximum, "gt": gt, "lt": lt, "repeat": repeat})
 
 
 @dataclass
@@ -93,14 +94,26 @@ class TrainConfig:
     batch_size: int = opt(16, "local mini-batch size B", minimum=1)
     epochs: int = opt(1, "local epochs E per round (full passes, last batch may be smaller)", minimum=0)
     steps: int | None = opt(None, "local SGD steps K per round (overrides --epochs)", minimum=1)
-    engine: str = opt("batched", "simulation engine: batched = a round's clients as one computation on 2 "
-                                 "worker processes (on a GPU if there is one), the loop's weights to float rounding; "
-                                 "the LeNets' first two layers run as native kernels built with g++ on first use, "
-                                 "DROPFL_NATIVE=0 turns them off; FedDD tasks and --clock-profile runs train on the "
+    engine: str = opt("batched", "simulation engine: batched = a round's clients as --slices batched "
+                                 "computations on worker processes, one per core at most (on a GPU if there is "
+                                 "one), the loop's weights to float rounding; "
+                                 "the LeNets' first two layers run as native kernels built with g++ on first use "
+                                 "for the CPU's widest instruction set (DROPFL_KERNEL=avx512|avx2|generic forces "
+                                 "one, DROPFL_KERNEL=off or DROPFL_NATIVE=0 turns them off); FedDD tasks and "
+                                 "--clock-profile runs train on the "
                                  "loop. loop = the reference per-client loop (local_train, as the edge agents). The "
                                  "engine that ran is logged at the start and recorded per round in metrics.jsonl "
-                                 "(docs/engine.md)",
-                      ["batched", "loop"])
+                                 "(docs/engine.md). ray = the batched engine's slices trained by Ray actors on a "
+                                 "cluster (--ray-address), the weights of batched with the same --slices "
+                                 "(docs/scale-out.md)",
+                      ["batched", "loop", "ray"])
+    slices: int = opt(2, "batched and ray engines: a round's tasks are cut into this many fixed slices, each one "
+                         "batched computation; which process or node trains a slice does not change the results, "
+                         "the number of slices may (float rounding); ray: at most one actor per slice",
+                      minimum=1)
+    ray_address: str | None = opt(None, "engine ray: the Ray cluster, host:port of its head (`ray start --head` "
+                                        "prints it), auto = $RAY_ADDRESS or the cluster started on this machine, "
+                                        "local = a private Ray in this process (default: auto; docs/scale-out.md)")
 
 
 @dataclass
@@ -122,7 +135,7 @@ class AvailabilityConfig:
     min_active: int = opt(0, "if fewer clients are available, draw this many uniformly "
                              "(MimiC released code: 2)", minimum=0)
     first_round_all: bool = opt(True, "all clients available in round 0 (MimiC, FDMS)")
-    trace: str | None = opt(None, "replay: participation log (participation.csv of a run)")
+    trace: str | None = opt(None, "replay: participation log (participation.csv or participation/ of a run)")
     replay_selection: str = opt("auto", "replay: whose selection to replay. log = the recorded selection and its "
                                         "after-selection drops (the same experiment, exact); strategy = the "
                                         "strategy selects among the recorded available clients, and clients that "
@@ -135,6 +148,8 @@ class AvailabilityConfig:
     min_battery: float = opt(0.0, "device-trace: minimum battery %% to train", minimum=0, maximum=100)
     require_charging: bool = opt(False, "device-trace: train only while charging")
     min_uplink: float = opt(0.0, "device-trace: minimum uplink bytes/s to train", minimum=0)
+    max_temp: float | None = opt(None, "device-trace: decline above this temperature in °C, the trace's temp_c "
+                                       "(reason thermal; default: off)", minimum=-40, maximum=200)
 
 
 @dataclass
@@ -195,6 +210,19 @@ class RunConfig:
     checkpoint_every: int = opt(1, "write checkpoint.pt every n rounds", minimum=1)
     out: str | None = opt(None, "run directory (default: runs/<algo>-<availability>-<seed>)")
     threads: int | None = opt(None, "torch intra-op threads (default: torch's choice)", minimum=1)
+    state_store: str = opt("auto", "where per-client strategy tables (MIFA, MimiC, FedLaAvg, SCAFFOLD, FedDD memory) "
+                                   "live: memory (RAM), disk (files in the run directory, RUN/state/), auto (disk "
+                                   "when N × model parameters > 2^26; docs/scale-out.md); results are identical",
+                           choices=("auto", "memory", "disk"))
+    participation_format: str = opt("auto", "participation log format: csv (participation.csv, a row per client "
+                                            "per round), npz (participation/, compressed columns per chunk of "
+                                            "rounds), auto (npz above 10,000 clients; docs/run-directory.md)",
+                                    choices=("auto", "csv", "npz"))
+    track: str | None = opt(None, "mirror the config and per-round metrics to tensorboard and/or mlflow "
+                                  "(comma-separated or repeated; none = off; needs pip install 'dropfl[tracking]'; "
+                                  "docs/tracking.md)", repeat=True)
+    track_dir: str | None = opt(None, "where --track writes, shared by runs: DIR/tb/<run name> and the MLflow "
+                                      "file store DIR/mlruns; None: inside the run directory, RUN/tb and RUN/mlruns")
 
 
 @dataclass
@@ -233,6 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser, algos: list[str]) -> None:
                   "dest": f"{section}.{f.name}"}
             if f.type in ("bool", bool):
                 kw["action"] = argparse.BooleanOptionalAction
+            elif f.metadata.get("repeat"):
+                kw["action"], kw["metavar"] = _Join, f.name.upper()
             else:
                 kw["type"] = _parse_type(f.type)
                 kw["metavar"] = f.name.upper()
@@ -245,6 +275,14 @@ def add_arguments(parser: argparse.ArgumentParser, algos: list[str]) -> None:
                 f = _field(section, new)
                 group.add_argument(_old_flag(old), dest=f"{section}.{old}", default=None, type=_parse_type(f.type),
                                    metavar=new.upper(), help=f"deprecated name of {flag(f)}")
+
+
+class _Join(argparse.Action):
+    """A repeatable flag of a comma-separated list field: `--track a --track b` is `--track a,b`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{before},{values}" if before else values)
 
 
 def _field(section: str, name: str) -> dataclasses.Field:
@@ -356,3 +394,5 @@ def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = 
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    from coordinator.tracking import parse as parse_track
+    parse_track(r.track, sources.get("run.track", ""))  # names only; installed packages: runsetup.setup_run

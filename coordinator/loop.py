@@ -36,6 +36,7 @@ import torch
 from coordinator.availability.models import RoundAvailability
 from coordinator.reports import task_row
 from coordinator.rundir import RunDir
+from coordinator.statestore import referenced
 from coordinator.strategies.base import ClientUpdate, Strategy
 from coordinator.strategies.schedule import lr_at
 from edge_client.trainer import TrainTask
@@ -45,7 +46,7 @@ log = logging.getLogger("dropfl.replay")
 # Reasons of a recorded drop whose device declined its task (the agent's policy) and so did not train: a replay
 # does not train it either (FedDD's device memory then follows the recorded run). Other drops (deadline,
 # rejected, offline) trained, or may have, and train in the replay; none of them is aggregated.
-DECLINED = ("battery", "charging", "slow_link", "declined")
+DECLINED = ("battery", "charging", "slow_link", "declined", "thermal")
 
 
 class Transport(Protocol):
@@ -85,20 +86,30 @@ class LoopConfig:
 def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySource, transport: Transport,
                evaluate: Callable[[torch.Tensor], tuple[float, float]], rundir: RunDir,
                w0: torch.Tensor, resume: bool = False, progress: bool = True,
-               checkpoint: dict | None = None) -> torch.Tensor:
+               checkpoint: dict | None = None,
+               observers: list[Callable[[dict], None]] | None = None) -> torch.Tensor:
     """Run rounds [start, cfg.rounds) and return the final global model (flat). On `resume`, continue from
-    `checkpoint` (already read, e.g. by runsetup.check_resume), else from the run directory's."""
-    start, w, state = 0, w0.clone(), strategy.init_state(cfg.n_clients, w0)
+    `checkpoint` (already read, e.g. by runsetup.check_resume), else from the run directory's.
+    `observers`: called with each round's metrics row once it is written (coordinator/tracking.py)."""
+    start, w, state = 0, w0.clone(), None
     counters = {"uploads": 0, "client_uploads": 0}
+    rundir.checkpoint_refs = set()  # the state-store snapshots the current checkpoint.pt refers to (none yet)
     if resume:
         ck = checkpoint if checkpoint is not None else rundir.load_checkpoint()
-        if ck is not None:
-            start, w, state, counters = ck["round"] + 1, ck["w"], ck["state"], ck["counters"]
+        if ck is not None:  # the tables go into this run's store (a disk snapshot is copied back into RUN/state)
+            start, w, counters = ck["round"] + 1, ck["w"], ck["counters"]
+            state = strategy.adopt_state(ck["state"])
+            rundir.checkpoint_refs = referenced(ck)
             if "transport" in ck and hasattr(transport, "load_state_dict"):  # absent in older checkpoints
                 transport.load_state_dict(ck["transport"])
+    if state is None:  # init only when not resuming: a table of N rows is not built twice
+        state = strategy.init_state(cfg.n_clients, w0)
     plog = rundir.participation_log(resume_from_round=start if resume else None)
     rlog = rundir.reports_log(resume_from_round=start if resume else None)
     metrics = rundir.metrics_writer(resume_from_round=start if resume else None)
+    # a strategy's own per-round log (FL-FDMS: friends.jsonl), cut back to the checkpoint on resume like metrics
+    slog = (rundir.round_log(strategy.round_log_file, resume_from_round=start if resume else None)
+            if getattr(strategy, "round_log_file", None) else None)
     bar = _progress(cfg.rounds, start, progress)
     t0 = time.perf_counter()
     differs: list[int] = []  # replay: rounds where the strategy would have selected other clients than the log
@@ -118,7 +129,10 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
                  for i in selected]
         drops = getattr(avail, "drops", None)  # a replayed log: dropped after selection, with the reason
         trained = [task for task in tasks if not drops or drops.get(task.client) not in DECLINED]
-        updates, dropped = transport.run_round(t, w, trained)
+        if strategy.absorbs and getattr(transport, "streams_updates", False):  # e.g. MIFA in simulation
+            updates, dropped = transport.run_round(t, w, trained, absorb=_absorber(strategy, state, t, drops))
+        else:
+            updates, dropped = transport.run_round(t, w, trained)
         if drops:
             updates = {i: u for i, u in updates.items() if i not in drops}
             dropped = {**dropped, **drops}  # drops ⊆ the recorded selection = selected
@@ -131,6 +145,8 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         if updates:
             counters["uploads"] += strategy.uploads_per_round
             counters["client_uploads"] += strategy.uploads_per_round * len(updates)
+        if slog is not None:
+            slog.write(strategy.round_log(state, t, updates))
         rlog.write_round(t, updates, tasks)  # before the participation row: a log's rounds all have reports
         plog.write_round(t, cfg.n_clients, avail, selected, set(updates), dropped)
         row = {"round": t, "lr": lr, "uploads": counters["uploads"], "client_uploads": counters["client_uploads"],
@@ -145,6 +161,8 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         row["seconds"] = time.perf_counter() - tick
         row["elapsed"] = time.perf_counter() - t0
         metrics.write(row)
+        for observe in observers or ():
+            observe(row)
         ck = {"round": t, "w": w, "state": state, "counters": dict(counters)}
         if hasattr(transport, "state_dict"):  # what the clients keep between rounds (sim: FedDD memory)
             ck["transport"] = transport.state_dict()
@@ -167,6 +185,21 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
                     "replayed the log's selection", strategy.name, len(differs), ", ".join(map(str, differs[:20]))
                     + (", ..." if len(differs) > 20 else ""))
     return w
+
+
+def _absorber(strategy: Strategy, state, t: int, drops: dict[int, str] | None
+              ) -> Callable[[dict[int, ClientUpdate]], None]:
+    """What the transport calls with each slice of the round's updates as it arrives: each update is taken into
+    the strategy's state (Strategy.absorb: MIFA writes its row) and its delta dropped, so that a round in which
+    all N clients upload (round 0 with --first-round-all) does not hold N deltas at once. The same rows are
+    written as `aggregate` would write them, so the bits are the same. A recorded drop of a replay is not
+    aggregated, so not absorbed either (it keeps its delta until the loop leaves it out)."""
+    def absorb(part: dict[int, ClientUpdate]) -> None:
+        for i, u in part.items():
+            if not drops or i not in drops:
+                strategy.absorb(state, t, u)
+                u.delta = None
+    return absorb
 
 
 def _selection_differs(strategy: Strategy, t: int, selected: list[int], logged: list[int],

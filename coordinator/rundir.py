@@ -3,11 +3,14 @@
     config.json        resolved configuration (pass back with --config to rerun)
     metrics.jsonl      one JSON object per round (schema in docs/run-directory.md)
     participation.csv  who took part in each round and why the others did not (docs/traces.md)
+    participation/     the same as compressed columns, for large N (--participation-format npz)
     reports.jsonl      what the clients measured (compute time, link rates, bytes) and the tasks set from it
     checkpoint.pt      last completed round: global model, strategy state, counters (for --resume)
     checkpoint.prev.pt the checkpoint before it, kept in case the last one is damaged
+    state/, checkpoint.state/  --state-store disk: the per-client tables, and their copies for the checkpoints
     model.pt           final global model (state_dict)
     log.txt, log.jsonl the run's log, human and machine-readable
+    tb/, mlruns/       --track's TensorBoard events and MLflow file store (coordinator/tracking.py)
 
 A directory that holds a run is changed only with --resume (continue it) or --overwrite (replace it):
 `check_out` decides, before anything is written. Checkpoints and rewritten files are written to a
@@ -24,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+from coordinator import statestore
+from coordinator.availability import columnar
+from coordinator.availability.columnar import ColumnarLog
 from coordinator.availability.participation import ParticipationLog
 from coordinator.errors import UserError
 from coordinator.reports import ReportsLog
@@ -32,8 +38,9 @@ from coordinator.reports import ReportsLog
 # mode's), never anything else a user put there.
 RUN_FILES = ("config.json", "metrics.jsonl", "participation.csv", "reports.jsonl", "checkpoint.pt",
              "checkpoint.prev.pt", "model.pt", "model.onnx", "field.json", "field.jsonl", "log.txt", "log.jsonl",
-             "crash.log")
+             "crash.log", "friends.jsonl", "telemetry.jsonl")
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
+STATE_DIRS = (statestore.LIVE, statestore.SNAPSHOTS)  # --state-store disk: RUN/state/, RUN/checkpoint.state/
 
 
 def holds_run(path: Path) -> bool:
@@ -146,11 +153,17 @@ class RunDir:
         if overwrite and self.path.is_dir():
             for name in RUN_FILES:
                 (self.path / name).unlink(missing_ok=True)
-            shutil.rmtree(self.path / "report", ignore_errors=True)
+            for d in ("report", "tb", "mlruns"):  # dropfl report's output; --track's default stores
+                shutil.rmtree(self.path / d, ignore_errors=True)
+            for name in (*STATE_DIRS, columnar.DIR):  # disk state store (statestore.py), columnar participation
+                shutil.rmtree(self.path / name, ignore_errors=True)
         self.path.mkdir(parents=True, exist_ok=True)
         # the last finished round's checkpoint when it was not due (--checkpoint-every): the round loop keeps it
         # here, and a run that stops early on purpose (field mode's broker outage) saves it before it exits
         self.unsaved_checkpoint: dict | None = None
+        # the state-store snapshot directories checkpoint.pt refers to (None: not known, nothing is pruned)
+        self.checkpoint_refs: set[str] | None = None
+        self.participation_format = "csv"  # or "npz" (--participation-format; runsetup.setup_run sets it)
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -160,7 +173,10 @@ class RunDir:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, self.file(name))
 
-    def participation_log(self, resume_from_round: int | None = None) -> ParticipationLog:
+    def participation_log(self, resume_from_round: int | None = None) -> ParticipationLog | ColumnarLog:
+        """participation.csv, or with `participation_format` "npz" the columnar log RUN/participation/."""
+        if self.participation_format == "npz":
+            return ColumnarLog(self.file(columnar.DIR), resume_from_round)
         return ParticipationLog(self.file("participation.csv"), resume_from_round)
 
     def reports_log(self, resume_from_round: int | None = None) -> ReportsLog:
@@ -169,15 +185,24 @@ class RunDir:
     def metrics_writer(self, resume_from_round: int | None = None) -> MetricsWriter:
         return MetricsWriter(self.file("metrics.jsonl"), resume_from_round)
 
+    def round_log(self, name: str, resume_from_round: int | None = None) -> MetricsWriter:
+        """A strategy's per-round JSON lines (one object with "round" per line), kept like metrics.jsonl."""
+        return MetricsWriter(self.file(name), resume_from_round)
+
     def save_checkpoint(self, ck: dict) -> None:
         """Atomic, keeping the previous one: write a temporary file, move the current checkpoint to
         checkpoint.prev.pt, then rename the new one into place."""
         self.unsaved_checkpoint = None
+        prev_refs = self.checkpoint_refs  # the snapshots checkpoint.pt referred to: checkpoint.prev.pt's from here
+        ck = statestore.snapshot(ck, self.path)  # disk tables: a complete copy under checkpoint.state/ first
         tmp = self.file(CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
         if self.file(CHECKPOINT).exists():
             os.replace(self.file(CHECKPOINT), self.file(PREVIOUS))
         os.replace(tmp, self.file(CHECKPOINT))
+        self.checkpoint_refs = statestore.referenced(ck)
+        if prev_refs is not None:  # keep only the snapshots of checkpoint.pt and checkpoint.prev.pt
+            statestore.prune(self.path, self.checkpoint_refs | prev_refs)
 
     def save_unsaved_checkpoint(self) -> None:
         """Save the last finished round's checkpoint if the round loop kept one that was not due yet."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from coordinator import errors
+from coordinator import errors, tracking
 from coordinator.availability import models as av
 from coordinator.availability.participation import Replay
 from coordinator.availability.traces import DeviceTraceAvailability
@@ -27,6 +27,7 @@ from coordinator.config import SimConfig, upgrade_renamed
 from coordinator.errors import UserError
 from coordinator.loop import LoopConfig
 from coordinator.rundir import CHECKPOINT, RunDir, check_out, load_checkpoint_file, read_metrics
+from coordinator.statestore import StateStore, auto_kind, check_snapshots
 from coordinator.strategies import STRATEGIES, Strategy
 from edge_client import datasets, federation, logs, partition
 from edge_client.federation import DataBinding
@@ -48,12 +49,18 @@ NOT_BOUND: dict[tuple[str, str], str] = {
     ("train", "epochs"): "sent with every task",
     ("train", "steps"): "sent with every task",
     ("train", "engine"): "how the simulation computes; agents train with the reference local_train",
+    ("train", "slices"): "how the simulation's batched engine cuts a round; agents train one task each",
+    ("train", "ray_address"): "where the simulation computes (engine ray); agents train on their devices",
     ("clock", "profile"): "simulation only: a virtual clock; in the field time is real",
     ("run", "rounds"): "the coordinator's schedule",
     ("run", "eval_every"): "the coordinator's schedule",
     ("run", "checkpoint_every"): "the coordinator's schedule",
     ("run", "out"): "the coordinator's run directory",
     ("run", "threads"): "each host's own CPU setting",
+    ("run", "state_store"): "where the coordinator keeps per-client tables; the same numbers either way",
+    ("run", "participation_format"): "how the coordinator writes its participation log",
+    ("run", "track"): "the coordinator's mirror of its metrics (TensorBoard, MLflow)",
+    ("run", "track_dir"): "the coordinator's mirror of its metrics (TensorBoard, MLflow)",
 }
 # Whole sections that stay on the coordinator: availability is modelled (sim) or the agents' own (field),
 # and the strategy is server-side math whose client-side parameters travel in the task.
@@ -100,7 +107,7 @@ def build_availability(cfg: SimConfig):
         return replay
     if a.kind == "device-trace":
         return DeviceTraceAvailability(a.device_trace, n, a.round_seconds, a.start_seconds, a.min_battery,
-                                       a.require_charging, a.min_uplink)
+                                       a.require_charging, a.min_uplink, a.max_temp)
     if a.kind == "always":
         return av.AlwaysOn(n, seed, **common)
     if a.kind == "bounded":
@@ -114,6 +121,19 @@ def build_availability(cfg: SimConfig):
     if a.kind == "cluster-dropout":
         return av.ClusterDropout(n, seed, alpha=a.alpha, **common)
     raise UserError(f"--availability: unknown model {a.kind!r}")
+
+
+# --participation-format auto: the columnar log above this many clients (participation.csv has a row per
+# client per round: ~25 bytes each, 250 kB a round at 10,000 clients, 2.5 MB at 100,000)
+CSV_MAX_CLIENTS = 10_000
+
+
+def participation_format(cfg: SimConfig) -> str:
+    """csv or npz: --participation-format, auto = npz for more than CSV_MAX_CLIENTS clients."""
+    fmt = cfg.run.participation_format
+    if fmt != "auto":
+        return fmt
+    return "npz" if cfg.data.clients > CSV_MAX_CLIENTS else "csv"
 
 
 def replay_selection(cfg: SimConfig) -> str:
@@ -175,12 +195,17 @@ def loop_config(cfg: SimConfig) -> LoopConfig:
 
 # Config fields a resumed run may change: the schedule and this host's settings, never the experiment.
 RESUMABLE_CHANGES = {("run", "rounds"), ("run", "out"), ("run", "threads"), ("run", "eval_every"),
-                     ("run", "checkpoint_every")}
+                     ("train", "ray_address"),  # where it computes, not what
+                     ("run", "checkpoint_every"), ("run", "track"), ("run", "track_dir"), ("run", "state_store")}
 
 
 def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
     """The checkpoint to resume from, after checking that it, the metrics and config.json fit this config."""
     ck = load_checkpoint_file(path / CHECKPOINT)
+    damaged = check_snapshots(ck, path)  # --state-store disk: the tables checkpoint.pt refers to
+    if damaged:
+        raise UserError(f"--resume: {path / CHECKPOINT} refers to state-store tables that are not whole ({damaged}); "
+                        f"restore them, or resume from checkpoint.prev.pt (move it over checkpoint.pt)")
     n = sum(p.numel() for p in model.parameters())
     w = ck["w"]
     if not isinstance(w, torch.Tensor) or w.numel() != n:
@@ -227,11 +252,21 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
     except ValueError as e:
         raise UserError(f"--model {cfg.model.model}: {e}") from None
     checkpoint = check_resume(cfg, path, model) if resume else None
+    store = auto_kind(cfg.run.state_store, cfg.data.clients, sum(p.numel() for p in model.parameters()))
+    strategy.store = StateStore(store, path)  # nothing is written before the round loop creates the tables
+    tracking.check(tracking.parse(cfg.run.track), path, cfg.run.track_dir, resume, overwrite)
+    if mode == "sim" and cfg.train.engine != "loop":
+        from coordinator.sim import kernels
+        kernels.requested()   # $DROPFL_KERNEL: an unknown variant, or one this CPU cannot run, is a UserError
     # --- everything checked: from here on the run directory is written ---
     rundir = RunDir(out, overwrite=overwrite)
+    rundir.participation_format = participation_format(cfg)
     errors.current_run_dir = rundir.path
     logs.attach_run_files(rundir.path)
     rundir.write_json("config.json", cfg.to_dict())
+    if strategy.tables:
+        log.info("state store: %s (--state-store %s) for %s's per-client tables: %s", store, cfg.run.state_store,
+                 cfg.strategy.algo, ", ".join(strategy.tables))
     log.debug("run %s: %s on %s, %d clients, %s availability, binding %s%s", out, cfg.strategy.algo,
              cfg.data.dataset, cfg.data.clients, cfg.availability.kind if mode == "sim" else "field",
              binding.data_digest, " (resumed)" if resume else "")

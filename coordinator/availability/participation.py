@@ -158,6 +158,28 @@ class Replay:
             raise ValueError(f"selection {selection!r}")
         self.n, self.selection = n_clients, selection
         self.table: dict[int, RoundAvailability] = {}
+        if Path(path).is_dir():  # RUN/participation/, the columnar log (coordinator/availability/columnar.py)
+            self._read_columnar(Path(path), n_clients)
+        else:
+            self._read_csv(path, n_clients)
+        if not self.table:
+            raise UserError(f"--trace: {path} holds no rounds")
+        for ra in self.table.values():
+            ra.selected.sort()
+        self.rounds = max(self.table) + 1
+        gaps = _gaps(self.table)
+        if gaps:
+            several = len(gaps) > 1 or gaps[0][0] != gaps[0][1]
+            raise UserError(f"--trace: {path} lacks round{'s' if several else ''} {_fmt_spans(gaps)} "
+                            f"(it has rounds up to {self.rounds - 1}); a replayed log needs every round from 0 "
+                            f"on: re-record it, or cut it before the first missing round")
+        self.reports_path: Path | None = None
+        reports = Path(path).with_name("reports.jsonl")
+        if selection == "log" and reports.is_file():
+            self._attach_reports(reports, n_clients)
+
+    def _read_csv(self, path, n_clients: int) -> None:
+        """participation.csv's rows into `self.table`, each checked (see __init__)."""
         seen: dict[tuple[int, int], int] = {}
         fix = "fix or re-record the log (schema: docs/traces.md)"
         for line, r in numbered_rows(Path(path)):
@@ -190,27 +212,29 @@ class Replay:
                 ra.selected.append(c)
             if status == "dropped":
                 ra.drops[c] = reason or "deadline"
-        if not self.table:
-            raise UserError(f"--trace: {path} holds no rounds")
-        for ra in self.table.values():
-            ra.selected.sort()
-        self.rounds = max(self.table) + 1
-        gaps = _gaps(self.table)
-        if gaps:
-            several = len(gaps) > 1 or gaps[0][0] != gaps[0][1]
-            raise UserError(f"--trace: {path} lacks round{'s' if several else ''} {_fmt_spans(gaps)} "
-                            f"(it has rounds up to {self.rounds - 1}); a replayed log needs every round from 0 "
-                            f"on: re-record it, or cut it before the first missing round")
-        for t in range(self.rounds):
+        for t in sorted(self.table):  # a round that is there at all has every client (absent rounds: __init__)
             missing = [c for c in range(n_clients) if (t, c) not in seen]
             if missing:
                 raise UserError(f"--trace: {path}: round {t} has no row for client{'s' if len(missing) > 1 else ''} "
                                 f"{_spans(missing)} (--clients {n_clients}); replay with the --clients of the "
                                 f"recorded run (the log has a row for every client in every round)")
-        self.reports_path: Path | None = None
-        reports = Path(path).with_name("reports.jsonl")
-        if selection == "log" and reports.is_file():
-            self._attach_reports(reports, n_clients)
+
+    def _read_columnar(self, path: Path, n_clients: int) -> None:
+        """A columnar log's rounds into `self.table`: the same LoggedRounds as its rows in a CSV would give."""
+        from coordinator.availability import columnar
+
+        rounds, status, reason = columnar.read_columnar(path)
+        if status.shape[1] != n_clients:
+            raise UserError(f"--trace: {path} has {status.shape[1]} clients per round, --clients is {n_clients}; "
+                            f"replay with the --clients of the recorded run")
+        names = ("",) + REASONS
+        for t, st, rs in zip(rounds.tolist(), status, reason):
+            ra = LoggedRound(st != columnar.UNAVAILABLE)
+            absent = np.flatnonzero(st == columnar.UNAVAILABLE)
+            ra.reasons = {int(i): names[rs[i]] or "trace" for i in absent}
+            ra.selected = [int(i) for i in np.flatnonzero((st == columnar.PARTICIPATED) | (st == columnar.DROPPED))]
+            ra.drops = {int(i): names[rs[i]] or "deadline" for i in np.flatnonzero(st == columnar.DROPPED)}
+            self.table[t] = ra
 
     def _attach_reports(self, path: Path, n_clients: int) -> None:
         """The recorded measurements and tasks, round by round, onto the logged rounds."""

@@ -27,6 +27,7 @@ import numpy as np
 
 from coordinator.availability.models import RoundAvailability
 from coordinator.errors import UserError
+from coordinator.progress import bar
 from edge_client.battery import TraceRowError, parse_trace_row
 
 TRACE_FIELDS = ("device", "t_s", "online", "battery_pct", "charging", "uplink_Bps", "downlink_Bps")
@@ -92,13 +93,15 @@ def device_order(devices) -> list[str]:
 class DeviceTraceAvailability:
     """Availability from device time series on a virtual clock: round t happens at
     `start_s + t · round_s`. A device is unavailable if it is offline, below `min_battery`, not
-    charging while `require_charging`, or its uplink is below `min_uplink_Bps` — checked in that
+    charging while `require_charging`, its uplink is below `min_uplink_Bps`, or hotter than `max_temp_c`
+    (the optional `temp_c` column; the agent's thermal policy, reason `thermal`) — checked in that
     order, the first failing check is the reason. Before its first sample a device is offline."""
 
     name = "device-trace"
 
     def __init__(self, path: str | Path, n_clients: int, round_s: float, start_s: float = 0.0,
-                 min_battery: float = 0.0, require_charging: bool = False, min_uplink_Bps: float = 0.0):
+                 min_battery: float = 0.0, require_charging: bool = False, min_uplink_Bps: float = 0.0,
+                 max_temp_c: float | None = None):
         if round_s <= 0:
             raise UserError(f"--round-seconds must be > 0 (got {round_s})")
         traces = read_device_trace(path)
@@ -109,6 +112,7 @@ class DeviceTraceAvailability:
         self.series = [traces[d] for d in self.devices]
         self.n, self.round_s, self.start_s = n_clients, round_s, start_s
         self.min_battery, self.require_charging, self.min_uplink = min_battery, require_charging, min_uplink_Bps
+        self.max_temp = max_temp_c
 
     def time_of(self, t: int) -> float:
         return self.start_s + t * self.round_s
@@ -122,6 +126,8 @@ class DeviceTraceAvailability:
             return "charging"
         if self.min_uplink and s["uplink_Bps"] is not None and s["uplink_Bps"] < self.min_uplink:
             return "slow_link"
+        if self.max_temp is not None and s.get("temp_c") is not None and s["temp_c"] > self.max_temp:
+            return "thermal"
         return None
 
     def round(self, t: int) -> RoundAvailability:
@@ -138,7 +144,7 @@ class DeviceTraceAvailability:
 
 
 def import_fedscale(pkl: str | Path, out_csv: str | Path, horizon_s: float | None = None,
-                    max_devices: int | None = None) -> int:
+                    max_devices: int | None = None, progress: bool = False) -> int:
     """Convert FedScale's `client_behave_trace` (a pickled dict client_id -> {"active": [...],
     "inactive": [...], "finish_time": T}) into our device trace. FedScale treats a client as online
     iff active[k] ≤ (t mod T) ≤ inactive[k] for some k; the pattern repeats every T seconds, and is
@@ -158,7 +164,7 @@ def import_fedscale(pkl: str | Path, out_csv: str | Path, horizon_s: float | Non
     with open(out_csv, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(TRACE_FIELDS)
-        for cid in ids:
+        for cid in bar(ids, total=len(ids), desc="import", unit="device", enabled=progress):  # a terminal only
             tr = data[cid]
             try:
                 act, ina, period = list(tr["active"]), list(tr["inactive"]), float(tr["finish_time"])

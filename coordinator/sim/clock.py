@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from coordinator.errors import UserError
+from coordinator.statestore import StateStore
 from coordinator.strategies.base import ClientUpdate
 from edge_client import feddd
 from edge_client.models import get_flat
@@ -87,10 +88,14 @@ class SimClients:
     profile drives a virtual clock: trains, applies Algorithm 2's mask, keeps each client's eq. (5)
     memory, and reports compute time, rates and bytes. `round_stats` gives eq. (12)'s round time."""
 
-    def __init__(self, model: torch.nn.Module, profile: Profile | None = None, num_classes: int | None = None):
+    def __init__(self, model: torch.nn.Module, profile: Profile | None = None, num_classes: int | None = None,
+                 store: StateStore | None = None, n_clients: int = 0):
         self.model, self.profile, self.num_classes = model, profile, num_classes
         self.layout = feddd.unit_layout(model)
-        self.memory: dict[int, feddd.Memory] = {}
+        self.store, self.n_clients = store, n_clients
+        # the devices' eq. (5) memory: a dict in RAM, or tables of the disk state store (--state-store disk)
+        self.memory: dict[int, feddd.Memory] | TableMemory = (
+            TableMemory(store, n_clients, self.layout) if store is not None and store.kind == "disk" else {})
 
     def run(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, task: TrainTask) -> ClientUpdate:
         mask = None
@@ -112,12 +117,27 @@ class SimClients:
 
     def state_dict(self) -> dict:
         """What the devices keep between rounds (FedDD eq. (5) memory), for the run's checkpoint."""
+        if isinstance(self.memory, TableMemory):
+            return {"memory_tables": self.memory.state_dict()}
         return {"memory": {i: {"round": m.round, "w_local": m.w_local, "masks": list(m.masks)}
                            for i, m in self.memory.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.memory = {int(i): feddd.Memory(int(m["round"]), m["w_local"], list(m["masks"]))
-                       for i, m in state.get("memory", {}).items()}
+        if "memory_tables" in state:  # a disk-store checkpoint: its snapshot tables
+            loaded = TableMemory.from_state(self.store, state["memory_tables"], self.layout)
+            memory = {i: loaded.get(i) for i in loaded.clients()}
+        else:
+            memory = {int(i): feddd.Memory(int(m["round"]), m["w_local"], list(m["masks"]))
+                      for i, m in state.get("memory", {}).items()}
+        if isinstance(self.memory, TableMemory):
+            if "memory_tables" in state:
+                self.memory = loaded
+                return
+            for i, m in memory.items():
+                self.memory[i] = m
+        else:
+            self.memory = memory
+
 
     def round_stats(self, updates: dict[int, ClientUpdate]) -> dict[str, float]:
         """Bytes moved this round and, with a profile, the virtual round time (eq. 12)."""
@@ -134,6 +154,49 @@ class SimClients:
 def client_seconds(r: ClientReport) -> float:
     """FedDD eqs. (7), (9), (11): t^d + t^cmp + t^u of one client's round."""
     return r.download_bytes / r.down_Bps + r.compute_s + r.upload_bytes / r.up_Bps
+
+
+class TableMemory:
+    """FedDD's device memory on the disk state store: Ŵ_n as a row of an [N, M] float32 table, M_n as a row of
+    an [N, units] uint8 table, and the round of the last upload in RAM (int64 [N], −1 = none). `get` gives the
+    same `feddd.Memory` the dict holds (same bits), so clients train identically on either store."""
+
+    def __init__(self, store: StateStore, n: int, layout: feddd.Layout, tables: dict | None = None):
+        self.layout, self.n = layout, n
+        if tables is None:
+            tables = {"round": torch.full((n,), -1, dtype=torch.int64),
+                      "w_local": store.zeros("feddd.w_local", n, layout.numel),
+                      "masks": store.zeros("feddd.masks", n, max(1, layout.units), torch.uint8)}
+        self.tables = tables
+        self.bounds = np.cumsum([0] + [layer.units for layer in layout.layers])
+
+    @classmethod
+    def from_state(cls, store: StateStore, state: dict, layout: feddd.Layout) -> TableMemory:
+        tables = {"round": state["round"].clone(), "w_local": store.adopt("feddd.w_local", state["w_local"]),
+                  "masks": store.adopt("feddd.masks", state["masks"])}
+        return cls(store, len(tables["round"]), layout, tables)
+
+    def clients(self) -> list[int]:
+        return [int(i) for i in torch.nonzero(self.tables["round"] >= 0).flatten()]
+
+    def get(self, i: int) -> feddd.Memory | None:
+        r = int(self.tables["round"][i])
+        if r < 0:
+            return None
+        flat = self.tables["masks"][i].numpy().astype(bool)
+        masks = [flat[a:b].copy() for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+        return feddd.Memory(r, self.tables["w_local"][i].clone(), masks)
+
+    def __setitem__(self, i: int, m: feddd.Memory) -> None:
+        flat = np.concatenate([np.asarray(x, bool) for x in m.masks]) if m.masks else np.zeros(0, bool)
+        row = np.zeros(self.tables["masks"].shape[1], np.uint8)
+        row[:len(flat)] = flat
+        self.tables["masks"][i] = torch.from_numpy(row)
+        self.tables["w_local"][i] = m.w_local
+        self.tables["round"][i] = m.round
+
+    def state_dict(self) -> dict:
+        return dict(self.tables)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from coordinator.config import SimConfig
@@ -10,21 +11,37 @@ from coordinator.rundir import RunDir
 from coordinator.runsetup import setup_run
 from coordinator.sim.clock import load_profile
 from coordinator.sim.transport import SimTransport
+from coordinator.tracking import trackers
 
 log = logging.getLogger("dropfl.sim")
 
 
-def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = True, overwrite: bool = False) -> RunDir:
+def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = True, overwrite: bool = False,
+            make_engine=None) -> RunDir:
+    """`make_engine`: SimTransport's batched engine factory (a lockstep sweep's, coordinator/sim/lockstep.py)."""
     # the profile is input too: checked before setup_run writes the run directory
     profile = load_profile(cfg.clock.profile, cfg.data.clients) if cfg.clock.profile else None
+    engine = cfg.train.engine
+    if make_engine is None:   # --slices; --engine ray: the batched engine's slices on Ray actors (coordinator/scale)
+        from coordinator.sim.batched import BatchedEngine
+        make_engine = functools.partial(BatchedEngine, groups=cfg.train.slices)
+        if engine == "ray":
+            from coordinator.scale import check_cluster
+            from coordinator.scale.ray_engine import RayEngine
+            check_cluster(cfg.train.ray_address, "--engine ray")   # before the run directory is written
+            make_engine = functools.partial(RayEngine, groups=cfg.train.slices, address=cfg.train.ray_address)
     run = setup_run(cfg, out, mode="sim", resume=resume, overwrite=overwrite)
-    transport = SimTransport(run.model, run.client_data, cfg.train.engine, profile, run.ds.num_classes,
-                             feddd=run.strategy.sets_dropout_rate)
+    transport = SimTransport(run.model, run.client_data, "batched" if engine == "ray" else engine, profile,
+                             run.ds.num_classes,
+                             feddd=run.strategy.sets_dropout_rate, store=run.strategy.store,
+                             make_engine=make_engine)
     try:
         line, fields = transport.summary()
         log.info("%s", line, extra={"fields": fields})  # stderr `[sim] engine: ...`, log.txt, log.jsonl
-        w = run_rounds(run.loop, run.strategy, run.availability, transport, run.evaluate, run.rundir, run.w0(),
-                       resume=resume, progress=progress, checkpoint=run.checkpoint)
+        with trackers(cfg, run.rundir.path, run.checkpoint) as observers:  # --track (coordinator/tracking.py)
+            w = run_rounds(run.loop, run.strategy, run.availability, transport, run.evaluate, run.rundir,
+                           run.w0(), resume=resume, progress=progress, checkpoint=run.checkpoint,
+                           observers=observers)
     finally:
         transport.close()
     run.save_final(w)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from coordinator.sim.clock import Profile, SimClients
+from coordinator.statestore import StateStore
 from coordinator.strategies import ClientUpdate
 from edge_client.trainer import TrainTask, local_train
 
@@ -30,11 +32,14 @@ class SimTransport:
 
     def __init__(self, model: torch.nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  engine: str = "batched", profile: Profile | None = None, num_classes: int | None = None,
-                 feddd: bool = False):
+                 feddd: bool = False, store: StateStore | None = None, make_engine=None):
+        # make_engine(model, client_data): the batched engine (default: BatchedEngine); a lockstep sweep
+        # (coordinator/sim/lockstep.py) hands each run a proxy that trains its tasks with the other runs'
         if engine not in ("batched", "loop"):
             raise ValueError(f"engine {engine!r}: batched or loop")
         self.model, self.client_data, self.engine = model, client_data, engine
-        self.clients = SimClients(model, profile, num_classes)  # FedDD masks and the virtual clock
+        # FedDD masks and memory (in the run's state store) and the virtual clock
+        self.clients = SimClients(model, profile, num_classes, store if feddd else None, len(client_data))
         self.stats: dict[str, float] = {}
         self.batched = None
         self.loop_reason: str | None = None  # why the loop trains although engine="batched"
@@ -46,14 +51,14 @@ class SimTransport:
             else:
                 from coordinator.sim.batched import BatchedEngine
                 try:
-                    self.batched = BatchedEngine(model, client_data)
+                    self.batched = (make_engine or BatchedEngine)(model, client_data)
                 except TypeError as e:  # a model without a batched forward: the loop, said once
                     self.loop_reason = f"no batched forward for {type(model).__name__}"
                     log.warning("%s; its clients train on the reference loop", e)
         self.last_engine = self.describe()
 
     def describe(self) -> str:
-        """The engine of the run: "batched+native", "batched", "batched (cuda)", "loop", or
+        """The engine of the run: "batched+native(<variant>)", "batched", "batched (cuda)", "loop", or
         "loop (<why>)" where the batched engine was asked for but cannot replay the run's tasks."""
         if self.batched is not None:
             return self.batched.describe()
@@ -81,12 +86,29 @@ class SimTransport:
             text = f"the reference loop, as --engine batched does not replay runs with {self.loop_reason}"
         return f"engine: {name} — {text}", fields
 
-    def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]):
+    streams_updates = True  # run_round takes `absorb` (coordinator/loop.py)
+
+    def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask],
+                  absorb: Callable[[dict[int, ClientUpdate]], None] | None = None):
+        """Train `tasks` from `w`; every update arrives. `absorb` (the loop's, for a strategy that absorbs):
+        called with each slice of the batched engine's updates as the slice arrives, in task order; it takes
+        the deltas out (u.delta = None), so the round's deltas are not all held at once. The updates come
+        back in task order either way."""
         updates, done = {}, {}
         if self.batched is not None:  # FedDD tasks stay on the loop
             plain = [task for task in tasks if task.dropout_rate is None]
-            if plain:
-                done = {task.client: r for task, r in zip(plain, self.batched.run(w, plain))}
+            # slice by slice where the engine can (a lockstep sweep's proxy cannot: one part)
+            parts = ([] if not plain else self.batched.run_iter(w, plain)
+                     if absorb is not None and hasattr(self.batched, "run_iter") else [self.batched.run(w, plain)])
+            at = 0
+            for part in parts:
+                got = {task.client: ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
+                       for task, r in zip(plain[at:at + len(part)], part)}
+                at += len(part)
+                del part  # the results' deltas now live in `got` only: absorbing can free them
+                if absorb is not None:
+                    absorb(got)
+                done |= got
         looped = False
         for task in tasks:
             x, y = self.client_data[task.client]
@@ -95,10 +117,10 @@ class SimTransport:
                 looped = True
                 continue
             if task.client in done:
-                r = done[task.client]
+                updates[task.client] = done[task.client]
             else:
                 r, looped = local_train(self.model, w, x, y, task), True
-            updates[task.client] = ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
+                updates[task.client] = ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
         self.stats = self.clients.round_stats(updates)
         self.last_engine = self._round_engine(bool(done), looped)
         return updates, {}

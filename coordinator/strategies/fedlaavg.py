@@ -61,6 +61,7 @@ class FedLaAvg(Strategy):
     """
 
     name = "fedlaavg"
+    tables = ("latest",)
     STORAGES = ("raw", "lr-normalised")
 
     def __init__(self, *, beta: float = 0.1, storage: str = "raw", lr_at: Callable[[int], float] | None = None):
@@ -82,7 +83,7 @@ class FedLaAvg(Strategy):
         return max(1, round(self.beta * n_clients))  # K = βN
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
-        state = {"latest": torch.zeros(n_clients, w0.numel(), dtype=torch.float32),  # u_i^0 = 0
+        state = {"latest": self.table("latest", n_clients, w0.numel()),               # u_i^0 = 0
                  "avg": torch.zeros(w0.numel(), dtype=torch.float32),                # u^0 = 0
                  "last": torch.full((n_clients,), -1, dtype=torch.int64)}            # R_i^0 (never)
         if self.storage == "lr-normalised":
@@ -90,10 +91,10 @@ class FedLaAvg(Strategy):
         return state
 
     def select(self, state: State, t: int, available: np.ndarray, rng: np.random.Generator) -> list[int]:
-        avail = [int(i) for i in np.flatnonzero(available)]
-        last = state["last"]
-        oldest = sorted(avail, key=lambda i: (int(last[i]), i))  # FedLaAvg line 6: lowest R_i first
-        return sorted(oldest[:self.k(len(available))])
+        avail = np.flatnonzero(available)
+        last = state["last"].numpy()[avail]
+        oldest = avail[np.lexsort((avail, last))]  # FedLaAvg line 6: lowest R_i first, ties: lower index (numpy)
+        return sorted(int(i) for i in oldest[:self.k(len(available))])
 
     def aggregate(self, state: State, t: int, w: torch.Tensor,
                   updates: dict[int, ClientUpdate]) -> tuple[torch.Tensor, State]:

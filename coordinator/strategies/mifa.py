@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from coordinator.statestore import row_sum
 from coordinator.strategies.base import ClientUpdate, State, Strategy
 from coordinator.strategies.mimic import check_units, global_step, raw_update
 
@@ -46,11 +47,15 @@ class MIFA(Strategy):
             The waiting rounds count as rounds (the lr schedule, e.g. MIFA's lr_0/(t+1), advances through them).
 
     State: "latest", float32 [N, M], row i = G_i. Updated in place (a sim with N = 10 000 clients of a
-    7,850-parameter model holds 314 MB here, and nothing else of that size). With wait_all also "seen", bool
-    [N]: which clients have uploaded at least once.
+    7,850-parameter model holds 314 MB here, and nothing else of that size), in the run's state store
+    (--state-store: RAM or a file of the run directory). The sum over all N rows is `row_sum`'s, in fixed
+    blocks of rows: exactly latest.sum(0) while N fits one block, and O(N) row reads per round either way.
+    With wait_all also "seen", bool [N]: which clients have uploaded at least once.
     """
 
     name = "mifa"
+    tables = ("latest",)
+    absorbs = True  # an update only replaces its client's row: written as it arrives (Strategy.absorb)
 
     def __init__(self, *, units: str = "delta", round_weights: bool = True, global_lr: float = 0.01,
                  global_lr_decay: float = 0.95, wait_all: bool = False):
@@ -65,7 +70,7 @@ class MIFA(Strategy):
                    global_lr_decay=s.global_lr_decay, wait_all=s.mifa_wait_all)
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
-        state = {"latest": torch.zeros(n_clients, w0.numel(), dtype=torch.float32)}
+        state = {"latest": self.table("latest", n_clients, w0.numel())}
         if self.wait_all:
             state["seen"] = torch.zeros(n_clients, dtype=torch.bool)
         return state
@@ -84,16 +89,20 @@ class MIFA(Strategy):
                         100 * ROUND_WEIGHTS_REL_TOL)
         return 1 / n
 
+    def absorb(self, state: State, t: int, u: ClientUpdate) -> None:
+        state["latest"][u.client] = raw_update(u, self.units)  # G_i ← ĝ_i(w_t), as `aggregate` would write it
+
     def aggregate(self, state: State, t: int, w: torch.Tensor,
                   updates: dict[int, ClientUpdate]) -> tuple[torch.Tensor, State]:
         latest = state["latest"]
         for i, u in updates.items():
-            latest[i] = raw_update(u, self.units)  # MIFA: G_i ← ĝ_i(w_t) for i ∈ S_t, kept otherwise
+            if u.delta is not None:  # None: already written by `absorb`
+                latest[i] = raw_update(u, self.units)  # MIFA: G_i ← ĝ_i(w_t) for i ∈ S_t, kept otherwise
         if self.wait_all:
             seen = state["seen"]
             seen[list(updates)] = True
             if not bool(seen.all()):
                 return w, state  # MIFA code: no update until every device has taken part once
-        v = latest.sum(0) * self.weight(latest.shape[0])  # MIFA: v_t = (1/N) Σ_{i=1}^N G_i
+        v = row_sum(latest) * self.weight(latest.shape[0])  # MIFA: v_t = (1/N) Σ_{i=1}^N G_i (blocks of rows)
         step = global_step(self.units, t, 1.0, self.global_lr, self.global_lr_decay)
         return w - step * v, state  # w_{t+1} = w_t − η_t v_t

@@ -68,6 +68,7 @@ class MimiC(Strategy):
     """
 
     name = "mimic"
+    tables = ("corr",)
 
     def __init__(self, *, units: str = "delta", server_lr: float = 1.0, global_lr: float = 0.01,
                  global_lr_decay: float = 0.95):
@@ -79,7 +80,7 @@ class MimiC(Strategy):
         return cls(units=s.units, server_lr=s.server_lr, global_lr=s.global_lr, global_lr_decay=s.global_lr_decay)
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
-        return {"corr": torch.zeros(n_clients, w0.numel(), dtype=torch.float32)}  # Alg. 1 line 1: c_0^i = 0
+        return {"corr": self.table("corr", n_clients, w0.numel())}  # Alg. 1 line 1: c_0^i = 0
 
     def step(self, t: int) -> float:
         return global_step(self.units, t, self.server_lr, self.global_lr, self.global_lr_decay)
@@ -116,9 +117,10 @@ class MimiCClient(MimiC):
     """
 
     name = "mimic-client"
+    tables = ("device_corr",)
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
-        return {"device_corr": torch.zeros(n_clients, w0.numel(), dtype=torch.float32)}
+        return {"device_corr": self.table("device_corr", n_clients, w0.numel())}
 
     def client_upload(self, state: State, u: ClientUpdate) -> tuple[torch.Tensor, torch.Tensor]:
         """Device side: (raw update ĝ_i, corrected upload v_t^i = ĝ_i + c_i)."""

@@ -37,6 +37,7 @@ class Scaffold(Strategy):
 
     name = "scaffold"
     uploads_per_round = 2
+    tables = ("c_clients",)
 
     def __init__(self, *, server_lr: float = 1.0, correction_lr: float | None = None):
         self.server_lr, self.correction_lr = server_lr, correction_lr
@@ -47,7 +48,7 @@ class Scaffold(Strategy):
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
         return {"c": torch.zeros(w0.numel(), dtype=torch.float32),                       # c = 0
-                "c_clients": torch.zeros(n_clients, w0.numel(), dtype=torch.float32)}    # c_i = 0
+                "c_clients": self.table("c_clients", n_clients, w0.numel())}              # c_i = 0
 
     def configure(self, state: State, t: int, task: TrainTask) -> TrainTask:
         corr = state["c"] - state["c_clients"][task.client]  # SCAFFOLD line 10: gradient + (c − c_i)
