@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.sim import kernels
 from coordinator.sim.batched import BatchedEngine
 from coordinator.sim.clock import Profile
 from coordinator.sim.transport import SimTransport
@@ -27,6 +28,15 @@ from edge_client.trainer import TrainTask, local_train
 
 TOL = 1e-5
 F64_TOL = 1e-10
+LENETS = ("mimic-cnn", "fdms-cnn", "cifar-lenet")   # the models with fused native layers
+# the LeNets run once per kernel variant this CPU runs (coordinator/sim/kernels), where a compiler exists,
+# and once in torch ops; the other models once (True: the engine's default)
+NATIVE = [*(kernels.cpu_variants() if kernels.compiler() else []), False]
+
+
+def engine_variants(names) -> list:
+    return [pytest.param(n, v, id=f"{n}-{v or 'torch_ops'}") for n in names
+            for v in (NATIVE if n in LENETS else [True])]
 
 
 def shape_of(name: str) -> tuple[int, int, int]:
@@ -54,8 +64,8 @@ def reference(model: torch.nn.Module, w: torch.Tensor, data, tasks: list[TrainTa
     return [local_train(model, w, *data[t.client], t) for t in tasks]
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_batched_matches_loop_under_dropouts(name: str) -> None:
+@pytest.mark.parametrize("name,native", engine_variants(MODELS))
+def test_batched_matches_loop_under_dropouts(name: str, native: bool | str) -> None:
     small = name == "vgg11"  # VGG-11 is ~9 M parameters: very few samples keep the test fast
     sizes, batch, steps = ([2, 2, 1, 1, 0], 2, 2) if small else ([21, 16, 7, 12, 0], 4, 5)
     model = build_model(name, shape_of(name), 10, seed=3).double()
@@ -63,7 +73,10 @@ def test_batched_matches_loop_under_dropouts(name: str) -> None:
     data = make_data(sizes, shape_of(name), dtype=torch.float64)
     tasks = mixed_tasks(w, batch, steps)
     ref = reference(model, w, data, tasks)
-    out = BatchedEngine(model, data, workers=0).run(w, tasks)
+    engine = BatchedEngine(model, data, workers=0, native=native)
+    if engine.device.type == "cpu":                                        # the variant asked for ran
+        assert engine.native == ((native or None) if name in LENETS else None)
+    out = engine.run(w, tasks)
     assert [r.steps for r in out] == [r.steps for r in ref]
     assert len(set(r.steps for r in ref)) >= 3  # clients really finish at different steps
     for task, r, o in zip(tasks, ref, out):
@@ -74,8 +87,8 @@ def test_batched_matches_loop_under_dropouts(name: str) -> None:
     assert float(ref[4].delta.abs().max()) == 0.0 and float(out[4].delta.abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("name", ["mimic-cnn", "fdms-cnn", "mlp"])
-def test_batched_matches_loop_in_float32_on_fmnist(fmnist, name: str) -> None:
+@pytest.mark.parametrize("name,native", engine_variants(["mimic-cnn", "fdms-cnn", "mlp"]))
+def test_batched_matches_loop_in_float32_on_fmnist(fmnist, name: str, native: bool | str) -> None:
     """The FMNIST workload's setting (batch 16, float32, real images), clients of different sizes."""
     model = build_model(name, (1, 28, 28), 10, seed=0)
     w = get_flat(model)
@@ -85,7 +98,7 @@ def test_batched_matches_loop_in_float32_on_fmnist(fmnist, name: str) -> None:
              TrainTask(client=1, round=0, lr=0.05, batch_size=16, steps=6, seed=0),
              TrainTask(client=2, round=0, lr=0.05, batch_size=16, epochs=1, seed=0)]
     ref = reference(model, w, data, tasks)
-    out = BatchedEngine(model, data, workers=0).run(w, tasks)
+    out = BatchedEngine(model, data, workers=0, native=native).run(w, tasks)
     assert [r.steps for r in out] == [r.steps for r in ref] == [5, 6, 2]
     for r, o in zip(ref, out):
         assert torch.allclose(o.delta, r.delta, atol=TOL, rtol=0), (name, (o.delta - r.delta).abs().max())
@@ -156,8 +169,11 @@ def test_the_transport_records_what_ran() -> None:
     feddd = TrainTask(client=1, round=0, lr=0.05, batch_size=4, steps=2, seed=1, dropout_rate=0.5)
     transport = SimTransport(model, data)                       # the default engine
     try:
-        name = transport.batched.describe()                     # batched+native, or batched without a compiler
-        assert transport.describe() == name and name in ("batched", "batched+native", "batched (cuda)")
+        name = transport.batched.describe()                     # batched+native(<variant>), or batched without one
+        assert transport.describe() == name
+        assert name in ("batched", "batched (cuda)", *(f"batched+native({v})" for v in kernels.cpu_variants()))
+        if kernels.compiler() and transport.batched.device.type == "cpu":
+            assert name == f"batched+native({kernels.requested()})"   # the CPU's best, or $DROPFL_KERNEL's
         updates, _ = transport.run_round(0, w, [plain, feddd])
         assert set(updates) == {0, 1} and updates[1].mask is not None
         assert transport.round_info() == {"engine": f"{name} + loop (feddd tasks)"}

@@ -5,15 +5,20 @@ images, by index) and second layer (on activations, output in row layout): value
 float64 to 1e-12 (the kernels sum each output's products in another order than mkldnn, nothing
 else differs), exact gradient routing at exact ties (blank regions, where every conv output of a
 window equals the bias), NaN propagation, shapes with an odd conv output and more columns than one
-vector, and the engine with and without the kernels. Skipped, with the reason, only where no C++
-compiler exists (or DROPFL_NATIVE=0 turns the kernels off); with a compiler, a failed build fails.
+vector, and the engine with and without the kernels. Every test that runs a kernel runs once per
+variant this CPU runs (`kernels.cpu_variants()`: avx512, avx2, generic on this x86 machine); a
+last test cross-compiles the source for aarch64. Skipped, with the reason, only where no C++
+compiler exists (or DROPFL_NATIVE=0 / DROPFL_KERNEL=off turns the kernels off); with a compiler, a
+failed build of any variant fails.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,13 +34,130 @@ pytestmark = [
     pytest.mark.skipif(kernels.compiler() is None,   # $CXX, else g++ (or c++), on PATH
                        reason=f"no C++ compiler ({CXX} not on PATH): the engine uses torch ops"),
     pytest.mark.skipif(os.environ.get("DROPFL_NATIVE", "1") == "0", reason="DROPFL_NATIVE=0 turns the kernels off"),
+    pytest.mark.skipif(os.environ.get("DROPFL_KERNEL", "").lower() == "off", reason="DROPFL_KERNEL=off"),
 ]
+VARIANTS = kernels.cpu_variants()   # what this CPU runs, best first; ends with "generic"
 
 
-def test_the_kernels_build() -> None:
-    """A compiler is there, so the kernels must build and load: a failed build is a failure here, not
-    a skip (the engine would silently fall back to the slower torch ops)."""
-    assert kernels.available(), f"{kernels.compiler()} is on PATH but the kernels did not build: {kernels.error()}"
+@pytest.fixture(params=VARIANTS)
+def variant(request) -> str:
+    return request.param
+
+
+def test_the_kernels_build(variant: str) -> None:
+    """A compiler is there, so every variant this CPU runs must build and load: a failed build is a
+    failure here, not a skip (the engine would silently fall back to the slower torch ops)."""
+    assert kernels.available(variant), \
+        f"{kernels.compiler()} is on PATH but the {variant} kernels did not build: {kernels.error(variant)}"
+
+
+def test_the_variant_follows_the_cpu_or_the_environment(monkeypatch) -> None:
+    """By default the widest variant the CPU runs; DROPFL_KERNEL forces one; unknown names and variants
+    this CPU cannot run are user errors (running them would kill the process with SIGILL)."""
+    from coordinator.errors import UserError
+    monkeypatch.delenv("DROPFL_KERNEL", raising=False)
+    monkeypatch.delenv("DROPFL_NATIVE", raising=False)
+    assert kernels.requested() == VARIANTS[0] and VARIANTS[-1] == "generic"
+    for name in (*VARIANTS, "off"):
+        monkeypatch.setenv("DROPFL_KERNEL", name)
+        assert kernels.requested() == name
+    monkeypatch.setenv("DROPFL_KERNEL", "avx3")
+    with pytest.raises(UserError, match="unknown kernel variant 'avx3'"):
+        kernels.requested()
+    for name in set(kernels.VARIANTS) - set(VARIANTS):   # e.g. avx512 on an AVX2-only CPU
+        monkeypatch.setenv("DROPFL_KERNEL", name)
+        with pytest.raises(UserError, match="cannot run"):
+            kernels.requested()
+
+
+def test_a_bad_variant_stops_the_run_before_anything_is_written(tmp_path, monkeypatch, capsys) -> None:
+    """`dropfl sim` checks $DROPFL_KERNEL with the other inputs: one error line, exit 2, no run directory."""
+    from coordinator.cli import main
+    monkeypatch.setenv("DROPFL_KERNEL", "avx3")
+    out = tmp_path / "run"
+    assert main(["sim", "--dataset", "fmnist", "--clients", "4", "--model", "mimic-cnn", "--steps", "1",
+                 "--rounds", "1", "--no-progress", "--out", str(out)]) == 2
+    assert "DROPFL_KERNEL=avx3: unknown kernel variant" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_source_cross_compiles_for_aarch64(tmp_path) -> None:
+    """The source builds for a Pi or Jetson (aarch64, NEON) with Debian's cross compiler: no x86-only
+    code. Object file only (nothing to run it on here)."""
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip("no aarch64 cross compiler (aarch64-linux-gnu-g++; Debian: g++-aarch64-linux-gnu)")
+    obj = tmp_path / "conv_pool.o"
+    proc = subprocess.run([cxx, *kernels.COMMON_FLAGS, "-Werror", "-c", "-o", str(obj), str(kernels.SOURCE)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nm = shutil.which("aarch64-linux-gnu-nm") or shutil.which("nm")
+    symbols = subprocess.run([nm, "--defined-only", str(obj)], capture_output=True, text=True).stdout
+    for name in ("conv_pool_fwd", "conv_pool_bwd", "conv2_pool_fwd", "conv2_pool_bwd"):
+        for suffix in ("f32", "f64"):
+            assert f"dropfl_{name}_{suffix}" in symbols
+
+
+def _raw_inputs() -> list[torch.Tensor]:
+    """The inputs of tests/data/kernel_driver.cpp, in its file's order: both layers, float32."""
+    g = torch.Generator().manual_seed(5)
+    n, b, h, w, k, cin, o, h2, w2, o2 = 10, 5, 28, 28, 3, 1, 6, 12, 12, 16
+    hp, wp, hp2, wp2 = (h - 4) // 2, (w - 4) // 2, (h2 - 4) // 2, (w2 - 4) // 2
+
+    def f(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+    return [torch.tensor([n, b, h, w, k, cin, o]), f(n, cin, h, w), torch.randint(0, n, (k, b), generator=g),
+            f(k * o, cin, 5, 5, scale=0.2), f(k * o, scale=0.2), f(b, hp, wp, k * o), torch.tensor([h2, w2, o2]),
+            f(b, h2, w2, k * 6), f(k * o2, 6, 5, 5, scale=0.1), f(k * o2, scale=0.1), f(k, b, o2 * hp2 * wp2)]
+
+
+def _raw_outputs(variant: str, ins: list[torch.Tensor]) -> bytes:
+    """What the driver writes, computed by this machine's `variant` library through ctypes."""
+    lib = kernels.load(variant)
+    dims, x, rows, w, bias, gy, dims2, h, w2, b2, gy2 = ins
+    n, b, hh, ww, k, cin, o = dims.tolist()
+    h2, ww2, o2 = dims2.tolist()
+    y = torch.empty(b * ((hh - 4) // 2) * ((ww - 4) // 2) * k * o)
+    arg = torch.empty(y.numel(), dtype=torch.uint8)
+    gw, gb = torch.empty_like(w), torch.empty_like(bias)
+    p = [t.data_ptr() for t in (x, rows, w, bias, y, arg)]
+    lib.dropfl_conv_pool_fwd_f32(*p, b, hh, ww, k, cin, o, 5, 5)
+    lib.dropfl_conv_pool_bwd_f32(x.data_ptr(), rows.data_ptr(), gy.data_ptr(), arg.data_ptr(), gw.data_ptr(),
+                                 gb.data_ptr(), b, hh, ww, k, cin, o, 5, 5)
+    y2 = torch.empty(gy2.numel())
+    arg2 = torch.empty(y2.numel(), dtype=torch.uint8)
+    gh, gw2, gb2 = torch.empty_like(h), torch.empty_like(w2), torch.empty_like(b2)
+    assert lib.dropfl_conv2_pool_fwd_f32(h.data_ptr(), w2.data_ptr(), b2.data_ptr(), y2.data_ptr(), arg2.data_ptr(),
+                                         b, h2, ww2, k, 6, o2, 5, 5) == 0
+    assert lib.dropfl_conv2_pool_bwd_f32(h.data_ptr(), w2.data_ptr(), gy2.data_ptr(), arg2.data_ptr(), gh.data_ptr(),
+                                         gw2.data_ptr(), gb2.data_ptr(), b, h2, ww2, k, 6, o2, 5, 5) == 0
+    return b"".join(t.numpy().tobytes() for t in (y, arg, gw, gb, y2, arg2, gh, gw2, gb2))
+
+
+@pytest.mark.slow
+def test_the_aarch64_build_gives_the_x86_fma_builds_bits(tmp_path) -> None:
+    """The source built for aarch64 (NEON, the cross compiler's baseline) and run under qemu-user
+    (tests/data/kernel_driver.cpp: both layers forward and backward, float32) gives bitwise the
+    outputs of the x86 variants with FMA: what a Pi or Jetson agent would compute, checked here."""
+    cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64-static")
+    if cxx is None or qemu is None:
+        pytest.skip("needs aarch64-linux-gnu-g++ and qemu-aarch64-static (Debian: g++-aarch64-linux-gnu, "
+                    "qemu-user-static)")
+    fma = [v for v in VARIANTS if v != "generic"]
+    if not fma:
+        pytest.skip(f"no x86 variant with FMA on this machine ({VARIANTS}) to compare with")
+    exe, inp, out = tmp_path / "driver", tmp_path / "in.bin", tmp_path / "out.bin"
+    driver = Path(__file__).with_name("data") / "kernel_driver.cpp"
+    build = subprocess.run([cxx, "-O3", "-std=c++17", "-static", "-o", str(exe), str(driver), str(kernels.SOURCE)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    ins = _raw_inputs()
+    inp.write_bytes(b"".join(t.numpy().tobytes() for t in ins))
+    run = subprocess.run([qemu, str(exe), str(inp), str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    arm = out.read_bytes()
+    for v in fma:
+        assert arm == _raw_outputs(v, ins), v
 
 
 def torch_layer(x_all, rows, w, b):
@@ -44,10 +166,10 @@ def torch_layer(x_all, rows, w, b):
     return torch.relu(F.max_pool2d(F.conv2d(x, w, b, groups=k), 2))
 
 
-def both(x_all, rows, w, b, grad_out):
+def both(x_all, rows, w, b, grad_out, variant):
     """(y, dw, db) from the kernel and from torch ops."""
     out = []
-    for fn in (kernels.conv_pool_relu, torch_layer):
+    for fn in (lambda *a: kernels.conv_pool_relu(*a, variant), torch_layer):
         wv, bv = w.clone().requires_grad_(), b.clone().requires_grad_()
         y = fn(x_all, rows, wv, bv)
         dw, db = torch.autograd.grad((y * grad_out).sum(), [wv, bv])
@@ -56,7 +178,7 @@ def both(x_all, rows, w, b, grad_out):
 
 
 @pytest.mark.parametrize("cin,side,o", [(1, 28, 6), (3, 32, 6), (1, 28, 10), (2, 27, 4), (1, 41, 3)])
-def test_matches_torch_ops_in_float64(cin: int, side: int, o: int) -> None:
+def test_matches_torch_ops_in_float64(cin: int, side: int, o: int, variant: str) -> None:
     """mimic-cnn, cifar-lenet, fdms-cnn shapes; an odd conv output (27 → 23, pooled 11); 18 pooled
     columns (more than one vector of 16 floats or 8 doubles)."""
     g = torch.Generator().manual_seed(0)
@@ -67,7 +189,7 @@ def test_matches_torch_ops_in_float64(cin: int, side: int, o: int) -> None:
     b = torch.randn(k * o, generator=g, dtype=torch.float64) * 0.2
     hp = (side - 4) // 2
     grad_out = torch.randn(batch, k * o, hp, hp, generator=g, dtype=torch.float64)
-    (y, dw, db), (y_ref, dw_ref, db_ref) = both(x_all, rows, w, b, grad_out)
+    (y, dw, db), (y_ref, dw_ref, db_ref) = both(x_all, rows, w, b, grad_out, variant)
     assert y.shape == y_ref.shape == (batch, k * o, hp, hp)
     assert y.is_contiguous(memory_format=torch.channels_last)   # what the next grouped conv reads fastest
     assert (y > 0).float().mean() > 0.2                         # relu leaves a real share of positions
@@ -77,7 +199,7 @@ def test_matches_torch_ops_in_float64(cin: int, side: int, o: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_ties_route_to_the_first_maximum_exactly(dtype: torch.dtype) -> None:
+def test_ties_route_to_the_first_maximum_exactly(dtype: torch.dtype, variant: str) -> None:
     """Blank images: every conv output of a window is exactly the bias, a 4-way tie. The gradient must
     go to the window's first position where bias > 0 and nowhere where bias <= 0, as in torch.
     Inputs, weights and output gradients are small integers or quarters, so every sum is exact in any
@@ -89,7 +211,7 @@ def test_ties_route_to_the_first_maximum_exactly(dtype: torch.dtype) -> None:
     w = torch.full((k * o, 1, 5, 5), 0.25, dtype=dtype)
     b = torch.tensor([0.5, -0.5, 0.0, 1.0, -1.0, 2.0] * k, dtype=dtype)
     grad_out = (torch.arange(batch * k * o * 144) % 7 + 1).to(dtype).reshape(batch, k * o, 12, 12)
-    (y, dw, db), (y_ref, dw_ref, db_ref) = both(x_all, rows, w, b, grad_out)
+    (y, dw, db), (y_ref, dw_ref, db_ref) = both(x_all, rows, w, b, grad_out, variant)
     assert torch.equal(y, y_ref)
     assert torch.equal(db, db_ref)
     assert torch.equal(dw, dw_ref)
@@ -102,9 +224,9 @@ def torch_layer2(h, w, b, k):
     return y.reshape(y.shape[0], k, -1).transpose(0, 1)          # the engine's row layout [K, B, O·Hp·Wp]
 
 
-def both2(h, w, b, k, grad_out):
+def both2(h, w, b, k, grad_out, variant):
     out = []
-    for fn in (kernels.conv2_pool_relu, torch_layer2):
+    for fn in (lambda *a: kernels.conv2_pool_relu(*a, variant), torch_layer2):
         hv, wv, bv = h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
         y = fn(hv, wv, bv, k)
         out.append((y.detach(), *torch.autograd.grad((y * grad_out).sum(), [hv, wv, bv])))
@@ -113,7 +235,7 @@ def both2(h, w, b, k, grad_out):
 
 @pytest.mark.parametrize("dtype,side,o", [(torch.float64, 12, 16), (torch.float64, 14, 16), (torch.float64, 11, 5),
                                           (torch.float32, 13, 32), (torch.float32, 12, 16)])
-def test_second_layer_matches_torch_ops(dtype: torch.dtype, side: int, o: int) -> None:
+def test_second_layer_matches_torch_ops(dtype: torch.dtype, side: int, o: int, variant: str) -> None:
     """mimic-cnn (12 → 4×4) and cifar-lenet (14 → 5×5, two column blocks) second layers, an odd conv
     output, and 32 channels (two vectors of float32); float32 at float32 rounding."""
     g = torch.Generator().manual_seed(1)
@@ -123,7 +245,7 @@ def test_second_layer_matches_torch_ops(dtype: torch.dtype, side: int, o: int) -
     b = torch.randn(k * o, generator=g, dtype=dtype) * 0.1
     hp = (side - 4) // 2
     grad_out = torch.randn(k, batch, o * hp * hp, generator=g, dtype=dtype)
-    (y, dh, dw, db), (y_ref, dh_ref, dw_ref, db_ref) = both2(h, w, b, k, grad_out)
+    (y, dh, dw, db), (y_ref, dh_ref, dw_ref, db_ref) = both2(h, w, b, k, grad_out, variant)
     assert y.shape == y_ref.shape == (k, batch, o * hp * hp)
     assert dh.is_contiguous(memory_format=torch.channels_last)   # what the first layer's backward reads
     assert (y > 0).float().mean() > 0.2
@@ -132,7 +254,7 @@ def test_second_layer_matches_torch_ops(dtype: torch.dtype, side: int, o: int) -
         assert torch.allclose(got, want, rtol=0, atol=tol)
 
 
-def test_second_layer_ties_and_unsupported_shapes() -> None:
+def test_second_layer_ties_and_unsupported_shapes(variant: str) -> None:
     """Blank input: 4-way ties everywhere, integer gradients: bit-equal to torch. Shapes without a
     kernel are refused (the engine then uses torch ops; kernels.inner_fits)."""
     k, batch, o = 2, 3, 16
@@ -141,21 +263,21 @@ def test_second_layer_ties_and_unsupported_shapes() -> None:
     w = torch.full((k * o, 6, 5, 5), 0.5, dtype=torch.float64)
     b = torch.tensor([1.0, -1.0, 0.0, 2.0] * (k * o // 4), dtype=torch.float64)
     grad_out = (torch.arange(k * batch * o * 16) % 5 + 1).to(torch.float64).reshape(k, batch, -1)
-    (y, dh, dw, db), (y_ref, dh_ref, dw_ref, db_ref) = both2(h, w, b, k, grad_out)
+    (y, dh, dw, db), (y_ref, dh_ref, dw_ref, db_ref) = both2(h, w, b, k, grad_out, variant)
     for got, want in ((y, y_ref), (dh, dh_ref), (dw, dw_ref), (db, db_ref)):
         assert torch.equal(got, want)
     assert not kernels.inner_fits(10, 20, (5, 5), torch.float32)          # fdms-cnn's conv2
     assert not kernels.inner_fits(6, 17, (5, 5), torch.float64)           # more than 2 vectors
     with pytest.raises(ValueError, match="no kernel"):
-        kernels.conv2_pool_relu(torch.rand(2, 20, 12, 12), torch.rand(40, 10, 5, 5), torch.rand(40), 2)
+        kernels.conv2_pool_relu(torch.rand(2, 20, 12, 12), torch.rand(40, 10, 5, 5), torch.rand(40), 2, variant)
 
 
-def test_nan_propagates_as_in_torch() -> None:
+def test_nan_propagates_as_in_torch(variant: str) -> None:
     x_all = torch.rand(2, 1, 28, 28)
     x_all[0, 0, 3, 3] = float("nan")
     rows = torch.tensor([[0, 1]])
     w, b = torch.rand(6, 1, 5, 5), torch.rand(6)
-    y = kernels.conv_pool_relu(x_all, rows, w, b)
+    y = kernels.conv_pool_relu(x_all, rows, w, b, variant)
     y_ref = torch_layer(x_all, rows, w, b)
     assert torch.equal(torch.isnan(y), torch.isnan(y_ref)) and torch.isnan(y).any()
     ok = ~torch.isnan(y_ref)
@@ -163,7 +285,7 @@ def test_nan_propagates_as_in_torch() -> None:
 
 
 @pytest.mark.parametrize("name", ["mimic-cnn", "fdms-cnn", "cifar-lenet"])
-def test_engine_with_and_without_kernel(name: str) -> None:
+def test_engine_with_and_without_kernel(name: str, variant: str) -> None:
     """The batched engine's rounds with the kernel = the same engine with torch ops (float64, 1e-10):
     clients of different sizes, steps and learning rates (the prefix of active clients shrinks)."""
     shape = (3, 32, 32) if name == "cifar-lenet" else (1, 28, 28)
@@ -175,13 +297,33 @@ def test_engine_with_and_without_kernel(name: str) -> None:
     tasks = [TrainTask(client=0, round=1, lr=0.05, batch_size=4, epochs=1, seed=2),
              TrainTask(client=1, round=1, lr=0.1, batch_size=4, steps=2, seed=2),
              TrainTask(client=2, round=1, lr=0.05, batch_size=4, steps=6, seed=2)]
-    fast = BatchedEngine(model, data, workers=0, native=True)
+    fast = BatchedEngine(model, data, workers=0, native=variant)
     plain = BatchedEngine(model, data, workers=0, native=False)
-    assert fast.local.native and not plain.local.native
+    assert fast.local.native == variant and not plain.local.native
+    assert fast.describe() == f"batched+native({variant})" and plain.describe() == "batched"
     for a, b in zip(fast.run(w, tasks), plain.run(w, tasks)):
         assert a.steps == b.steps
         assert (a.delta - b.delta).abs().max() < 1e-10
         assert a.delta.abs().max() > 1e-4
+
+
+def test_the_fma_variants_compute_the_same_bits() -> None:
+    """The variants differ in vector width and register blocking only, never in the order of any sum
+    (conv_pool.cpp, "Portability"): where both contract a*b+c into FMAs (avx512, avx2) a float32
+    mimic-cnn round gives the same bits. (x86's generic build has no FMA: ulp-level differences.)"""
+    fma = [v for v in VARIANTS if v != "generic"]
+    if len(fma) < 2:
+        pytest.skip(f"this CPU runs only {VARIANTS}: fewer than two FMA variants to compare")
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.rand(40, 1, 28, 28, generator=g), torch.randint(0, 10, (40,), generator=g)) for _ in range(3)]
+    model = build_model("mimic-cnn", (1, 28, 28), 10, seed=0)
+    w = get_flat(model)
+    tasks = [TrainTask(client=i, round=1, lr=0.05, batch_size=16, steps=6, seed=1) for i in range(3)]
+    runs = [torch.stack([r.delta for r in BatchedEngine(model, data, workers=0, native=v).run(w, tasks)])
+            for v in fma]
+    assert runs[0].abs().max() > 1e-4
+    for other in runs[1:]:
+        assert torch.equal(runs[0], other)
 
 
 def test_mixed_dtypes_and_bad_indices_are_refused() -> None:
@@ -203,6 +345,7 @@ def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_disabled_or_unbuildable_kernel_falls_back_with_a_warning(tmp_path) -> None:
     off = _probe({"DROPFL_NATIVE": "0"})
     assert off.stdout.strip() == "False"
+    assert _probe({"DROPFL_KERNEL": "off"}).stdout.strip() == "False"
     broken = _probe({"CXX": "false", "XDG_CACHE_HOME": str(tmp_path)})   # a compiler that always fails
     assert broken.stdout.strip() == "False" and "native kernels unavailable" in broken.stderr
     assert list((tmp_path / "dropfl" / "kernels").glob("*")) == []      # no half-written library left

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -56,14 +56,16 @@ class _Step:
     rows: torch.Tensor     # [k, B] global sample indices (padded rows repeat a real index)
     y: torch.Tensor        # [k, B] labels
     weight: torch.Tensor   # [k, B] 1 for real rows, 0 for padding
-    sizes: list[int]       # real batch size of each active client
+    size: torch.Tensor     # [k] real batch size of each active client, in the weight's dtype
+    sizes: list[int]       # the same, as ints
 
 
 class _Batch:
     """The active clients' parameters and this step's batch; batched layers for the model forwards."""
 
     def __init__(self, params: dict[str, torch.Tensor], step: _Step, gens: list[torch.Generator],
-                 x_all: torch.Tensor, native: bool = False):
+                 x_all: torch.Tensor, native: str | None = None):
+        # native: the kernel variant that runs the fused layers (coordinator/sim/kernels), None: torch ops
         self.p, self.s, self.gens, self.x_all, self.native = params, step, gens, x_all, native
         self.k, self.b = step.rows.shape
 
@@ -90,7 +92,7 @@ class _Batch:
         (relu after the pool, as in `_lenet`: same values and gradient routing, 4x fewer elements.)"""
         if self.native:
             return conv_pool_relu(self.x_all, self.s.rows, self.p[name + ".weight"].flatten(0, 1),
-                                  self.p[name + ".bias"].reshape(-1))
+                                  self.p[name + ".bias"].reshape(-1), self.native)
         return torch.relu(max_pool(self.conv(self.images(), name)))
 
     def conv2_pool_relu(self, h: torch.Tensor, name: str) -> torch.Tensor:
@@ -98,7 +100,7 @@ class _Batch:
         one native kernel (coordinator/sim/kernels/conv_pool.cpp) for the shapes it covers, else torch ops."""
         w, b = self.p[name + ".weight"], self.p[name + ".bias"]   # [K, O, Cin, R, S], [K, O]
         if self.native and kernels.inner_fits(w.shape[2], w.shape[1], tuple(w.shape[3:]), w.dtype):
-            return conv2_pool_relu(h, w.flatten(0, 1), b.reshape(-1), self.k)
+            return conv2_pool_relu(h, w.flatten(0, 1), b.reshape(-1), self.k, self.native)
         return self.to_rows(torch.relu(max_pool(self.conv(h, name))))
 
     def linear(self, h: torch.Tensor, name: str) -> torch.Tensor:
@@ -203,45 +205,72 @@ def native_fits(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> 
             and x_all.dtype in (torch.float32, torch.float64))
 
 
+def kernel_variant(native: bool | str, model: nn.Module, x_all: torch.Tensor, device: torch.device) -> str | None:
+    """The kernel variant that runs the fused layers, or None (torch ops). `native`: True = this process's
+    choice (`kernels.requested()`: $DROPFL_KERNEL, else the best for this CPU), a variant's name = that one
+    (checked: UserError if unknown or the CPU cannot run it), False = none. None also where the model or
+    device has no fused layers (`native_fits`) or the variant cannot be built (a warning says why)."""
+    if native is False or not native_fits(model, x_all, device):
+        return None
+    variant = kernels.requested() if native is True else kernels.check(native)
+    return variant if kernels.available(variant) else None   # "off": never available (kernels.error says why)
+
+
 class Group:
     """Trains a list of tasks as one batched computation. Holds the preloaded data of all clients."""
 
     def __init__(self, model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
-                 sizes: list[int], device: str | torch.device = "cpu", threads: int = 1, native: bool = True):
+                 sizes: list[int], device: str | torch.device = "cpu", threads: int = 1,
+                 native: bool | str = True):
         self.model, self.forward, self.threads = model, batched_forward(model), threads
         self.device = torch.device(device)
         self.x_all, self.y_all = x_all.to(self.device).contiguous(), y_all.to(self.device)
-        # the fused layers (coordinator/kernels) where they can run: CPU, float32/64 images
-        self.native = native and native_fits(model, self.x_all, self.device) and kernels.available()
+        # the fused layers (coordinator/kernels) where they can run: CPU, float32/64 images; the variant's name
+        self.native = kernel_variant(native, model, self.x_all, self.device)
         self.offsets, self.sizes = offsets, sizes
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
 
-    def train(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+    def train(self, w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
+              start: list[int] | None = None) -> list[LocalResult]:
         """Train `tasks` from `w_global` with `threads` intra-op threads (fixed, so that a slice's
-        float rounding, hence its result, is the same in any process)."""
+        float rounding, hence its result, is the same in any process).
+        A lockstep sweep (coordinator/sim/lockstep.py) trains clients of several runs at once: `data`
+        gives each task's client in this group's data (default: `task.client`), and with `start`,
+        `w_global` is [R, P] and task i starts from row `start[i]`."""
         saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return self._train(w_global, tasks)
+            return self._train(w_global, tasks, data, start)
         finally:
             torch.set_num_threads(saved)
 
-    def _train(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
-        start = time.perf_counter()
+    def _train(self, w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
+               start: list[int] | None = None) -> list[LocalResult]:
+        t_start = time.perf_counter()
+        data = [t.client for t in tasks] if data is None else list(data)
         gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
-        plans = [batch_plan(self.sizes[t.client], t, g) for t, g in zip(tasks, gens)]
+        plans = [batch_plan(self.sizes[d], t, g) for t, d, g in zip(tasks, data, gens)]
         # most steps first: the clients still training at any step are then a prefix
         order = sorted(range(len(tasks)), key=lambda i: -len(plans[i]))
         tasks, gens, plans = [tasks[i] for i in order], [gens[i] for i in order], [plans[i] for i in order]
+        data = [data[i] for i in order]
         k_all, dev = len(tasks), self.device
         w0 = w_global.to(dev)
         # per-parameter stacks [K, *shape], all clients starting from w_global
         # Linear weights (the 2-D parameters) are held transposed, [K, in, out]: their gradient then
         # comes out of the batched matmul contiguous, and the update is ~4x cheaper (measured).
-        chunks = torch.split(w0, [s.numel() for s in self.shapes])
-        anchors = {n: _held(c.view(s)).contiguous() for n, s, c in zip(self.names, self.shapes, chunks)}
-        params = {n: a.expand(k_all, *a.shape).clone(memory_format=torch.contiguous_format) for n, a in anchors.items()}
+        if start is None:
+            chunks = torch.split(w0, [s.numel() for s in self.shapes])
+            anchors = {n: _held(c.view(s)).contiguous() for n, s, c in zip(self.names, self.shapes, chunks)}
+            params = {n: a.expand(k_all, *a.shape).clone(memory_format=torch.contiguous_format)
+                      for n, a in anchors.items()}
+        else:  # one start per task, [K, P]; anchors are then per task too (same values, same arithmetic)
+            w0 = w0[torch.tensor([start[i] for i in order], dtype=torch.long, device=dev)]
+            chunks = torch.split(w0, [s.numel() for s in self.shapes], 1)
+            anchors = {n: _held(c.reshape(k_all, *s), stacked=True).contiguous()
+                       for n, s, c in zip(self.names, self.shapes, chunks)}
+            params = {n: a.clone() for n, a in anchors.items()}
 
         def col(vals: list[float], shape: torch.Size) -> torch.Tensor:  # per-client scalars, broadcastable
             return torch.tensor(vals, dtype=w0.dtype, device=dev).view(-1, *([1] * len(shape)))
@@ -255,22 +284,28 @@ class Group:
                              for t in tasks]).to(dev)
             corr = dict(zip(self.names, [_held(cc.reshape(k_all, *s), stacked=True).contiguous() for cc, s in
                                          zip(torch.split(c, [s.numel() for s in self.shapes], 1), self.shapes)]))
+        # the usual case: one lr, no FedProx term, no SCAFFOLD correction. On the CPU the update is then one
+        # _foreach_add_ over all parameters, which runs the same add_ per tensor (same bits, fewer calls;
+        # tests/test_batched_fastpath.py). Not on CUDA, where foreach ops have their own fused kernels.
+        plain_sgd = same_lr and not any(mu) and corr is None and dev.type == "cpu"
         loss_sum = torch.zeros(k_all, dtype=torch.float64, device=dev)
-        for step in self._steps(tasks, plans):
+        for step in self._steps(tasks, plans, data):
             k = step.k
             live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
             z = _Batch(live, step, gens[:k], self.x_all, self.native)
             logits = self.forward(self.model, z)
             ce = F.cross_entropy(logits.reshape(k * z.b, -1), step.y.reshape(-1), reduction="none").view(k, z.b)
-            sizes = torch.tensor(step.sizes, dtype=ce.dtype, device=dev)
-            loss = (ce * step.weight).sum(1) / sizes          # each client's mean over its real rows
+            loss = (ce * step.weight).sum(1) / step.size.to(ce.dtype)   # each client's mean over its real rows
             grads = torch.autograd.grad(loss.sum(), list(live.values()))
             with torch.no_grad():
                 loss_sum[:k] += loss.detach().double()
+                if plain_sgd:   # w ← w − lr·g for every parameter in one call: the same add_ per tensor
+                    torch._foreach_add_(list(live.values()), grads, alpha=neg_lr[0])
+                    continue
                 for (n, p), g in zip(params.items(), grads):
                     s = p.shape[1:]
                     if any(mu[:k]):                            # FedProx: g + μ (w − w_global)
-                        g = g + col(mu[:k], s) * (p[:k] - anchors[n])
+                        g = g + col(mu[:k], s) * (p[:k] - (anchors[n] if start is None else anchors[n][:k]))
                     if corr is not None:                       # SCAFFOLD: g + (c − c_i)
                         g = g + corr[n][:k]
                     if same_lr:                                # w ← w − lr·g, as p.add_(g, alpha=−lr)
@@ -278,20 +313,20 @@ class Group:
                     else:
                         p[:k].addcmul_(g, col(neg_lr[:k], s))
         flat = torch.cat([_held(p, stacked=True).reshape(k_all, -1) for p in params.values()], 1)
-        deltas = (w0.unsqueeze(0) - flat).cpu()
-        seconds = time.perf_counter() - start
+        deltas = ((w0.unsqueeze(0) if start is None else w0) - flat).cpu()
+        seconds = time.perf_counter() - t_start
         out: list[LocalResult | None] = [None] * k_all
         for j, i in enumerate(order):
             steps = len(plans[j])
-            out[i] = LocalResult(deltas[j].clone(), self.sizes[tasks[j].client], steps,
+            out[i] = LocalResult(deltas[j].clone(), self.sizes[data[j]], steps,
                                  float(loss_sum[j]) / max(steps, 1), seconds)
         return out  # type: ignore[return-value]
 
-    def _steps(self, tasks: list[TrainTask], plans: list[list[torch.Tensor]]):
+    def _steps(self, tasks: list[TrainTask], plans: list[list[torch.Tensor]], data: list[int]):
         """Yield one `_Step` per step: the active prefix's padded index rows, labels, weights, sizes."""
         width = max([t.batch_size for t, p in zip(tasks, plans) if p], default=1)
         padded = []
-        for t, plan in zip(tasks, plans):
+        for d, plan in zip(data, plans):
             if not plan:
                 padded.append((torch.zeros(0, width, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
                 continue
@@ -300,15 +335,24 @@ class Group:
             if rows.shape[1] < width:
                 rows = F.pad(rows, (0, width - rows.shape[1]), value=-1)
             pad = rows < 0
-            rows = torch.where(pad, rows[:, :1], rows) + self.offsets[t.client]   # pad with a real row
+            rows = torch.where(pad, rows[:, :1], rows) + self.offsets[d]   # pad with a real row
             padded.append((rows, sizes))
         n_steps = [len(p) for p in plans]
-        for j in range(max(n_steps, default=0)):
+        total = max(n_steps, default=0)
+        if total == 0:
+            return
+        # every step's rows and weights at once, [steps, K, B], then one slice per step (fewer small ops per
+        # step); past a client's last step its rows are index 0, never read: step j uses the clients still
+        # training. (`padded` is dropped: the tables take its place in memory, plus the weights.)
+        rows = torch.stack([F.pad(r, (0, 0, 0, total - len(r))) for r, _ in padded]).transpose(0, 1).contiguous()
+        sizes = torch.stack([F.pad(n, (0, total - len(n))) for _, n in padded]).t()     # [steps, K]
+        del padded
+        weight = (torch.arange(width).view(1, 1, -1) < sizes.unsqueeze(2)).to(self.x_all.dtype).to(self.device)
+        rows, size, sizes_list = rows.to(self.device), sizes.to(self.x_all.dtype).to(self.device), sizes.tolist()
+        for j in range(total):
             k = sum(1 for n in n_steps if n > j)
-            rows = torch.stack([padded[i][0][j] for i in range(k)]).to(self.device)
-            sizes = [int(padded[i][1][j]) for i in range(k)]
-            weight = (torch.arange(width).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)).to(self.x_all.dtype)
-            yield _Step(k, rows, self.y_all[rows], weight.to(self.device), sizes)
+            r = rows[j, :k]
+            yield _Step(k, r, self.y_all[r], weight[j, :k], size[j, :k], sizes_list[j][:k])
 
 
 def _held(t: torch.Tensor, stacked: bool = False) -> torch.Tensor:
@@ -352,7 +396,7 @@ def _keep_freed_memory() -> None:
 
 
 def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
-                 sizes: list[int], threads: int, native: bool) -> None:
+                 sizes: list[int], threads: int, native: bool | str) -> None:
     global _WORKER
     _die_with_parent()
     _keep_freed_memory()
@@ -360,9 +404,10 @@ def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, off
     _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads, native=native)
 
 
-def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
+                     start: list[int] | None = None) -> list[LocalResult]:
     assert _WORKER is not None, "worker not initialised"
-    return _WORKER.train(w_global, tasks)
+    return _WORKER.train(w_global, tasks, data, start)
 
 
 class BatchedEngine:
@@ -372,11 +417,13 @@ class BatchedEngine:
     only ships the global weights and the tasks. On CUDA, everything runs in this process, with
     deterministic arithmetic (edge_client/determinism.py: no TF32, no cuDNN autotuning).
     `native=False` runs the LeNets' first two layers with torch ops instead of the fused kernels
-    (coordinator/kernels; for A/B measurements and tests: the results agree to rounding).
+    (coordinator/kernels; for A/B measurements and tests: the results agree to rounding); a variant's
+    name ("avx512", "avx2", "generic") runs that variant's kernels (default: `kernels.requested()`).
     """
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
-                 workers: int | None = None, groups: int = 2, device: str | None = None, native: bool = True):
+                 workers: int | None = None, groups: int = 2, device: str | None = None,
+                 native: bool | str = True):
         self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         batched_forward(model)  # a model without one is refused here, before any worker starts
         device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -393,30 +440,32 @@ class BatchedEngine:
             workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
         self.groups, self.workers, self.device = max(1, groups), workers, torch.device(device)
         threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
-        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, native) if workers == 0 else None
+        # the fused layers' kernel variant (its name, or None), decided and built here, once, for every
+        # slice and worker: the workers are told the variant, they do not choose again
+        self.fits = native_fits(model, x_all, self.device)
+        self.requested = None if native is False else kernels.requested() if native is True else kernels.check(native)
+        self.native = kernel_variant(native, model, x_all, self.device)
+        variant = self.native or False
+        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant) if workers == 0 else None
         if workers > 0:
             import torch.multiprocessing as tmp
-            if native:
-                kernels.load()  # compile here, once, before the workers look for it
             self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
                                             initargs=(model, x_all.share_memory_(), y_all.share_memory_(),
-                                                      offsets, sizes, threads, native))
-        # what the slices run (the workers decide the same way: same model, data and kernel library)
-        self.fits = native_fits(model, x_all, self.device)
-        self.native = native and self.fits and kernels.available()
+                                                      offsets, sizes, threads, variant))
 
     def describe(self) -> str:
-        """What trains the tasks, as recorded in metrics.jsonl's `engine`: "batched+native" (the LeNets'
-        fused layers), "batched" (torch ops only: a model without fused layers, or no kernels), and
-        " (cuda)" on a GPU."""
-        return ("batched+native" if self.native else "batched") + ("" if self.device.type == "cpu"
-                                                                   else f" ({self.device.type})")
+        """What trains the tasks, as recorded in metrics.jsonl's `engine`: "batched+native(<variant>)"
+        (the LeNets' fused layers, built for the variant: avx512, avx2, generic), "batched" (torch ops
+        only: a model without fused layers, or no kernels), and " (cuda)" on a GPU."""
+        return (f"batched+native({self.native})" if self.native else "batched") + (
+            "" if self.device.type == "cpu" else f" ({self.device.type})")
 
     def details(self) -> dict:
         """The engine's settings, for the log line at the start of a run."""
-        out = {"device": str(self.device), "workers": self.workers, "slices": self.groups, "native": self.native}
+        out = {"device": str(self.device), "workers": self.workers, "slices": self.groups,
+               "native": self.native is not None, "kernel": self.native}
         if self.fits and not self.native:   # a LeNet on the CPU without its fused layers: why
-            out["native_off"] = kernels.error() or "native=False"
+            out["native_off"] = "native=False" if self.requested is None else kernels.error(self.requested) or "?"
         return out
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
@@ -426,14 +475,30 @@ class BatchedEngine:
         return [tasks[bounds[i]:bounds[i + 1]] for i in range(g) if bounds[i + 1] > bounds[i]]
 
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
-        parts = self.slices(tasks)
+        results = self.run_parts([(w_global, p, None, None) for p in self.slices(tasks)])
+        return [r for part in results for r in part]
+
+    def run_iter(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> Iterator[list[LocalResult]]:
+        """`run`, one slice's results at a time, in order, as each is trained (the same slices, so the
+        same bits): a caller that absorbs a slice and drops it keeps a round's deltas out of memory."""
+        parts = [(w_global, p, None, None) for p in self.slices(tasks)]
         if self.pool is None:
             assert self.local is not None
-            results = [self.local.train(w_global, p) for p in parts]
-        else:
-            futures = [self.pool.submit(_train_in_worker, w_global, p) for p in parts]
-            results = [f.result() for f in futures]
-        return [r for part in results for r in part]
+            for p in parts:
+                yield self.local.train(*p)
+            return
+        futures = [self.pool.submit(_train_in_worker, *p) for p in parts]
+        while futures:  # popped: a handed-over slice is not kept by its future
+            yield futures.pop(0).result()
+
+    def run_parts(self, parts: list[tuple]) -> list[list[LocalResult]]:
+        """Train each part, (w_global, tasks, data, start) as `Group.train` takes them, as one
+        computation (in a worker where there are workers); the results of each part, in order."""
+        if self.pool is None:
+            assert self.local is not None
+            return [self.local.train(*p) for p in parts]
+        futures = [self.pool.submit(_train_in_worker, *p) for p in parts]
+        return [f.result() for f in futures]
 
     def close(self) -> None:
         if self.pool is not None:

@@ -3,14 +3,23 @@
 `conv_pool.cpp` holds the LeNets' first two layers, each relu(max_pool2d(conv2d(·), 2)) fused, for K
 clients at once: `conv_pool_relu` (the first, on the images, weight/bias gradients) and
 `conv2_pool_relu` (the second, on activations, all gradients). They are optional: without a C++
-compiler, or with DROPFL_NATIVE=0, `available()` is False and the engine runs the same layers with
-torch ops.
+compiler, or with DROPFL_KERNEL=off (or DROPFL_NATIVE=0), `available()` is False and the engine runs the
+same layers with torch ops.
 
-The shared library is built with `g++ -O3 -march=native` into a cache directory keyed by the source,
-the compiler and this CPU (`$XDG_CACHE_HOME/dropfl/kernels`, else `~/.cache/dropfl/kernels`), so
-it is compiled once per machine (~8 s here) and never run on a CPU it was not built for. Written with
-ctypes rather than a torch C++ extension: it needs no torch headers and no ninja, and the kernels only ever
-see raw pointers to contiguous tensors.
+Variants. One source, built with one set of compiler flags per instruction set (`VARIANTS`): `avx512`,
+`avx2` (flags that forbid AVX-512) and `generic` (the compiler's baseline for the architecture: SSE2 on
+x86-64, NEON on aarch64). Which one runs is decided at run time from the CPU's features
+(`cpu_variants()`: /proc/cpuinfo's flags, else torch's CPU capability): the widest this CPU runs. The
+environment variable DROPFL_KERNEL=avx512|avx2|generic|off forces one (tests, benchmarks); naming a
+variant this CPU cannot run, or an unknown name, is a UserError. The variant that ran is part of the
+engine's name (`batched+native(avx2)`, metrics.jsonl's `engine`).
+
+Each variant's library is built with `g++ -O3 <flags>` into a cache directory keyed by the source, the
+flags and the compiler (`$XDG_CACHE_HOME/dropfl/kernels`, else `~/.cache/dropfl/kernels`), so it is
+compiled once per machine (~8-12 s here). Fixed flags rather than -march=native: a library is then
+only ever loaded on a CPU that has the features its name says, and the same variant computes the same
+bits on any such CPU. Written with ctypes rather than a torch C++ extension: it needs no torch headers
+and no ninja, and the kernels only ever see raw pointers to contiguous tensors.
 """
 
 from __future__ import annotations
@@ -29,20 +38,69 @@ from pathlib import Path
 
 import torch
 
+from coordinator.errors import UserError
+
 SOURCE = Path(__file__).with_name("conv_pool.cpp")
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC"]
+# Compiler flags of each variant, and the /proc/cpuinfo flags a CPU needs to run it (x86-64).
+# avx512 is torch's AVX512 level (F, BW, DQ, VL), avx2 torch's AVX2 level (AVX2 + FMA).
+VARIANTS: dict[str, list[str]] = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mno-avx512f"],
+    "generic": [],
+}
+_X86_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
+ENV = "DROPFL_KERNEL"
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+_libs: dict[str, ctypes.CDLL] = {}
+_errors: dict[str, str] = {}
+_chosen: str | None = None   # the variant `load()` without an argument picked
 
 
-def _cpu_id() -> str:
-    """What -march=native depends on: the architecture and (on Linux) the CPU's model and flags."""
-    ident = platform.machine()
-    with contextlib.suppress(OSError):  # no /proc/cpuinfo (not Linux): the architecture alone
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo ("flags" on x86, "Features" on ARM); None without it."""
+    with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
-            ident += "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags", "Features"))}))
-    return ident
+            for ln in f:
+                if ln.startswith(("flags", "Features")):
+                    return set(ln.split(":", 1)[1].split())
+    return None
+
+
+def cpu_variants() -> list[str]:
+    """The variants this CPU runs, best first (always ends with "generic"). On x86-64 from /proc/cpuinfo's
+    flags, else (not Linux) from torch's CPU capability; on any other architecture only "generic"
+    (on aarch64 the compiler's baseline already has NEON)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["generic"]
+    flags = _cpu_flags()
+    if flags is None:
+        cap = torch.backends.cpu.get_cpu_capability()   # "AVX512", "AVX2" or "DEFAULT"
+        flags = _X86_NEEDS["avx512"] if cap == "AVX512" else _X86_NEEDS["avx2"] if cap == "AVX2" else set()
+    return [v for v in ("avx512", "avx2") if _X86_NEEDS[v] <= flags] + ["generic"]
+
+
+def requested() -> str:
+    """The variant the engine uses unless told otherwise: $DROPFL_KERNEL if set (checked: UserError for an
+    unknown name or one this CPU cannot run), "off" if DROPFL_NATIVE=0, else the best for this CPU."""
+    name = os.environ.get(ENV, "").strip().lower()
+    if not name or name == "auto":
+        return "off" if os.environ.get("DROPFL_NATIVE", "1") == "0" else cpu_variants()[0]
+    return check(name, where=f"{ENV}={name}")
+
+
+def check(name: str, where: str = "kernel variant") -> str:
+    """`name` if it is "off" or a variant this CPU runs; UserError otherwise (running the code of an
+    instruction set the CPU lacks would kill the process with SIGILL)."""
+    runnable = cpu_variants()
+    if name == "off" or name in runnable:
+        return name
+    if name in VARIANTS:
+        missing = ", ".join(sorted(_X86_NEEDS.get(name, set()) - (_cpu_flags() or set()))) or "x86-64"
+        raise UserError(f"{where}: this CPU ({platform.machine()}) cannot run the {name} kernels (missing {missing}); "
+                        f"use one of {', '.join(runnable)}, off, or leave {ENV} unset")
+    raise UserError(f"{where}: unknown kernel variant {name!r}; use one of {', '.join(VARIANTS)}, off, "
+                    f"or leave {ENV} unset to pick by CPU")
 
 
 def cache_dir() -> Path:
@@ -50,17 +108,24 @@ def cache_dir() -> Path:
     return Path(base) / "dropfl" / "kernels"
 
 
-def _build(cxx: str) -> Path:
+def flags(variant: str) -> list[str]:
+    """The compiler flags of `variant` (the x86 flags only on x86-64: elsewhere every variant is generic)."""
+    return COMMON_FLAGS + (VARIANTS[variant] if platform.machine().lower() in ("x86_64", "amd64") else [])
+
+
+def _build(cxx: str, variant: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_id().encode())
-    target = cache_dir() / f"conv_pool-{key.hexdigest()[:16]}.so"
+    opts = flags(variant)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(opts).encode() + version.encode()
+                         + platform.machine().encode())
+    target = cache_dir() / f"conv_pool-{variant}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)   # concurrent builders: last rename wins
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *opts, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
@@ -70,20 +135,27 @@ def _build(cxx: str) -> Path:
     return target
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it if needed; None (with one warning) if it cannot be built."""
-    global _lib, _error
+def load(variant: str | None = None) -> ctypes.CDLL | None:
+    """The compiled library of `variant` (default: `requested()`), building it if needed; None (with one
+    warning) if it cannot be built, None without a warning for "off"."""
+    global _chosen
     with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        if os.environ.get("DROPFL_NATIVE", "1") == "0":
-            _error = "disabled by DROPFL_NATIVE=0"
+        if variant is None:
+            if _chosen is None:
+                _chosen = requested()
+            variant = _chosen
+        else:
+            variant = check(variant)
+        if variant == "off":
+            _errors["off"] = f"turned off ({ENV}=off or DROPFL_NATIVE=0)"
             return None
+        if variant in _libs or variant in _errors:
+            return _libs.get(variant)
         cxx = compiler()
         try:
             if cxx is None:
                 raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'g++ or c++'}) on PATH")
-            lib = ctypes.CDLL(str(_build(cxx)))
+            lib = ctypes.CDLL(str(_build(cxx, variant)))
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             for name, pointers in (("conv_pool_fwd", 6), ("conv_pool_bwd", 6), ("conv2_pool_fwd", 5),
                                    ("conv2_pool_bwd", 7)):
@@ -91,16 +163,23 @@ def load() -> ctypes.CDLL | None:
                     fn = getattr(lib, f"dropfl_{name}_{suffix}")
                     fn.argtypes = [ptr] * pointers + [i64] * 8
                     fn.restype = ctypes.c_int if name.startswith("conv2") else None
-            _lib = lib
+            _libs[variant] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _error = str(e)
-            warnings.warn(f"dropfl: native kernels unavailable ({_error}); the batched engine uses torch ops "
-                          "for the LeNets' first two layers (same results, slower)", stacklevel=2)
-        return _lib
+            _errors[variant] = str(e)
+            warnings.warn(f"dropfl: native kernels unavailable ({variant}: {e}); the batched engine uses torch "
+                          "ops for the LeNets' first two layers (same results, slower)", stacklevel=2)
+        return _libs.get(variant)
 
 
-def available() -> bool:
-    return load() is not None
+def available(variant: str | None = None) -> bool:
+    return load(variant) is not None
+
+
+def chosen() -> str:
+    """The variant `load()` without an argument uses (`requested()`, decided once per process)."""
+    load()
+    assert _chosen is not None
+    return _chosen
 
 
 def compiler() -> str | None:
@@ -111,10 +190,16 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
-def error() -> str | None:
-    """Why the kernels are not available (after `load()`): no compiler, the build's error, or
-    DROPFL_NATIVE=0; None if they are, or if `load()` has not been called."""
-    return _error
+def error(variant: str | None = None) -> str | None:
+    """Why `variant`'s kernels (default: the chosen one) are not available, after `load()`: no compiler,
+    the build's error, or turned off; None if they are, or if `load()` has not been called."""
+    return _errors.get(variant or _chosen or "")
+
+
+def _lib(variant: str | None) -> ctypes.CDLL:
+    lib = load(variant)
+    assert lib is not None, f"native kernels ({variant or _chosen}) not available: {error(variant)}"
+    return lib
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -142,9 +227,9 @@ class ConvPoolRelu(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        lib = load()
-        assert lib is not None
+    def forward(ctx, x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                variant: str | None = None) -> torch.Tensor:
+        lib = _lib(variant)
         _check_dtypes("conv_pool_relu", x_all, w, bias)
         k, b = rows.shape
         _, cin, h, wd = x_all.shape
@@ -160,24 +245,25 @@ class ConvPoolRelu(torch.autograd.Function):
         fwd(_ptr(x_all), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, h, wd, k, cin, o, r, s)
         ctx.save_for_backward(x_all, rows, arg)
         ctx.dims = (b, h, wd, k, cin, o, r, s)
-        ctx.w_shape = w.shape
+        ctx.w_shape, ctx.lib = w.shape, lib
         return y.permute(0, 3, 1, 2)  # [B, K·O, Hp, Wp], channels-last in memory
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
-        lib = load()
-        assert lib is not None
+        lib = ctx.lib
         x_all, rows, arg = ctx.saved_tensors
         gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
         gw = torch.empty(ctx.w_shape, dtype=gy.dtype)
         gb = torch.empty(ctx.w_shape[0], dtype=gy.dtype)
         bwd = lib.dropfl_conv_pool_bwd_f64 if gy.dtype == torch.float64 else lib.dropfl_conv_pool_bwd_f32
         bwd(_ptr(x_all), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *ctx.dims)
-        return None, None, gw, gb
+        return None, None, gw, gb, None
 
 
-def conv_pool_relu(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return ConvPoolRelu.apply(x_all, rows, w, bias)
+def conv_pool_relu(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                   variant: str | None = None) -> torch.Tensor:
+    """The first layer with `variant`'s kernels (default: the chosen variant, `chosen()`)."""
+    return ConvPoolRelu.apply(x_all, rows, w, bias, variant)
 
 
 def inner_fits(in_channels: int, out_channels: int, kernel: tuple[int, int], dtype: torch.dtype) -> bool:
@@ -196,9 +282,9 @@ class Conv2PoolRelu(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-        lib = load()
-        assert lib is not None
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
+                variant: str | None = None) -> torch.Tensor:
+        lib = _lib(variant)
         _check_dtypes("conv2_pool_relu", h, w, bias)
         b, kc, hh, wd = h.shape
         cin, o, r, s = kc // k, w.shape[0] // k, w.shape[2], w.shape[3]
@@ -211,21 +297,22 @@ class Conv2PoolRelu(torch.autograd.Function):
         fwd = lib.dropfl_conv2_pool_fwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv2_pool_fwd_f32
         _ok(fwd(_ptr(hl), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, hh, wd, k, cin, o, r, s))
         ctx.save_for_backward(hl, w, arg)
-        ctx.dims = (b, hh, wd, k, cin, o, r, s)
+        ctx.dims, ctx.lib = (b, hh, wd, k, cin, o, r, s), lib
         return y
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
-        lib = load()
-        assert lib is not None
+        lib = ctx.lib
         hl, w, arg = ctx.saved_tensors
         gy = gy.contiguous()
         gh = torch.empty_like(hl)
         gw, gb = torch.empty_like(w), torch.empty(w.shape[0], dtype=w.dtype)
         bwd = lib.dropfl_conv2_pool_bwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv2_pool_bwd_f32
         _ok(bwd(_ptr(hl), _ptr(w), _ptr(gy), _ptr(arg), _ptr(gh), _ptr(gw), _ptr(gb), *ctx.dims))
-        return gh.permute(0, 3, 1, 2), gw, gb, None
+        return gh.permute(0, 3, 1, 2), gw, gb, None, None
 
 
-def conv2_pool_relu(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    return Conv2PoolRelu.apply(h, w, bias, k)
+def conv2_pool_relu(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
+                    variant: str | None = None) -> torch.Tensor:
+    """The second layer with `variant`'s kernels (default: the chosen variant, `chosen()`)."""
+    return Conv2PoolRelu.apply(h, w, bias, k, variant)

@@ -25,9 +25,17 @@
 // Only the order in which each output's R*S*Cin products are summed differs from mkldnn (ulp-level).
 //
 // Vectorised over the output columns j of one pooled row (GCC/Clang vector extensions, no
-// intrinsics: the same source builds for AVX-512, AVX2 or NEON). An image's columns are first split
+// intrinsics: the same source builds for AVX-512, AVX2, SSE2 or NEON). An image's columns are first split
 // into even and odd ones, so that the conv output at column 2j+c, tap q, reads the contiguous run
 // (even or odd part)[j + (c+q)/2 ...]: every inner step is one vector load and O FMAs.
+//
+// Portability. The vector width VB is the target's (64 bytes with AVX-512, 32 with AVX2, 16 otherwise:
+// SSE2, NEON) and the register blocks are sized for its register file (REGS). Neither changes the
+// order in which any output or gradient element is summed: every lane is one output column, channel
+// or patch element, and the first layer's weight gradient, the one sum across lanes, is accumulated
+// in a fixed 64-byte lane layout (LOGICAL) whatever VB is. So all variants compute the same bits where
+// the compiler contracts a*b+c into the same FMAs (AVX-512 and AVX2 do; x86's generic build has no FMA
+// and rounds each product: ulp-level differences, as any other BLAS).
 
 #include <cstdint>
 #include <cstring>
@@ -36,10 +44,25 @@
 
 namespace {
 
+#if defined(__AVX512F__)
+constexpr int VB = 64;
+#elif defined(__AVX__)
+constexpr int VB = 32;
+#else
+constexpr int VB = 16;  // SSE2, NEON (aarch64's baseline), or scalar code the compiler splits
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int REGS = 32;  // vector registers
+#else
+constexpr int REGS = 16;
+#endif
+constexpr int LOGICAL = 64;  // the lane layout of the first layer's weight gradient sums, for every VB
+constexpr int G = LOGICAL / VB;  // target vectors per logical one
+
 template <typename T>
 struct V {
-  typedef T type __attribute__((vector_size(64)));
-  static constexpr int L = 64 / sizeof(T);  // lanes: 16 floats, 8 doubles
+  typedef T type __attribute__((vector_size(VB)));
+  static constexpr int L = VB / sizeof(T);  // lanes: 16 floats, 8 doubles with AVX-512
 };
 
 struct Shape {
@@ -112,7 +135,8 @@ inline auto pool_relu(typename V<T>::type v0, typename V<T>::type v1, typename V
   return pass ? a : 4;
 }
 
-// OB output channels per register block (4*OB accumulators + 4 inputs must fit the vector registers).
+// OB output channels per register block (4*OB accumulators + 4 inputs must fit the vector registers:
+// `with_block`).
 template <typename T, int OB>
 void forward(const T* x_all, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg, const Shape& s) {
   typedef typename V<T>::type vec;
@@ -162,17 +186,18 @@ void backward(const T* x_all, const int64_t* rows, const T* gy, const uint8_t* a
   typedef typename V<T>::type vec;
   constexpr int L = V<T>::L;
   std::vector<T> split(s.Cin * s.H * 2 * s.PW);
-  // every client's weight and bias gradient, [k][o][tap] and [k][o], by lane (the columns j)
-  std::vector<vec> acc_all(s.K * s.O * s.taps), db_all(s.K * s.O);
+  // every client's weight and bias gradient, [k][o][tap][slot] and [k][o][slot], by lane: column j is
+  // logical lane j % (LOGICAL / sizeof(T)), i.e. slot (j / L) % G, lane j % L (one slot when VB = LOGICAL)
+  std::vector<vec> acc_all(s.K * s.O * s.taps * G), db_all(s.K * s.O * G);
   const int64_t img = s.Cin * s.H * s.W;
   for (int64_t b = 0; b < s.B; ++b) {    // sample-major: gy[b] (all clients' channels) stays in cache
     for (int64_t k = 0; k < s.K; ++k) {
-      vec* acc = acc_all.data() + k * s.O * s.taps;
-      vec* db = db_all.data() + k * s.O;
       split_columns(x_all + rows[k * s.B + b] * img, s, split.data());
       for (int64_t i = 0; i < s.Hp; ++i) {
         for (int64_t ch = 0; ch < s.chunks; ++ch) {
           const int64_t j0 = ch * L, nj = s.Wp - j0 < L ? s.Wp - j0 : L;
+          vec* acc = acc_all.data() + k * s.O * s.taps * G + ch % G;  // + (o * taps + tap) * G
+          vec* db = db_all.data() + k * s.O * G + ch % G;              // + o * G
           for (int64_t o0 = 0; o0 < s.O; o0 += OB) {
             vec g[4][OB];  // the output gradient routed to each window position (0 elsewhere)
             bool any = false;
@@ -187,7 +212,7 @@ void backward(const T* x_all, const int64_t* rows, const T* gy, const uint8_t* a
                 gv[l] = ao[l] < 4 ? go[l * s.C] : T(0);
                 any |= ao[l] < 4;
               }
-              db[o] += gv;
+              db[o * G] += gv;
               for (int p = 0; p < 4; ++p) g[p][ob] = av == p ? gv : vec{};
             }
             if (!any) continue;
@@ -196,32 +221,35 @@ void backward(const T* x_all, const int64_t* rows, const T* gy, const uint8_t* a
                 for (int64_t q = 0; q < s.S; ++q) {
                   vec x[4];
                   window_inputs(split.data(), s, ci, i, r, q, j0, x);
-                  vec* d = acc + o0 * s.taps + (ci * s.R + r) * s.S + q;
+                  vec* d = acc + (o0 * s.taps + (ci * s.R + r) * s.S + q) * G;
                   for (int ob = 0; ob < OB; ++ob)
-                    d[ob * s.taps] += g[0][ob] * x[0] + g[1][ob] * x[1] + g[2][ob] * x[2] + g[3][ob] * x[3];
+                    d[ob * s.taps * G] += g[0][ob] * x[0] + g[1][ob] * x[1] + g[2][ob] * x[2] + g[3][ob] * x[3];
                 }
           }
         }
       }
     }
   }
-  for (int64_t ko = 0; ko < s.K * s.O; ++ko) {  // sum each accumulator's lanes
+  for (int64_t ko = 0; ko < s.K * s.O; ++ko) {  // sum each accumulator's logical lanes, in order
     for (int64_t t = 0; t < s.taps; ++t) {
       T sum = 0;
-      for (int l = 0; l < L; ++l) sum += acc_all[ko * s.taps + t][l];
+      for (int m = 0; m < G * L; ++m) sum += acc_all[(ko * s.taps + t) * G + m / L][m % L];
       gw[ko * s.taps + t] = sum;
     }
     T sum = 0;
-    for (int l = 0; l < L; ++l) sum += db_all[ko][l];
+    for (int m = 0; m < G * L; ++m) sum += db_all[ko * G + m / L][m % L];
     gb[ko] = sum;
   }
 }
 
 // Calls f(std::integral_constant<int, OB>) with the widest register block OB that divides O:
-// 6 (mimic-cnn, cifar-lenet), 5 (fdms-cnn's 10), ... 1.
+// 6 (mimic-cnn, cifar-lenet), 5 (fdms-cnn's 10), ... 1; at most 2 with 16 vector registers.
 template <typename F>
 void with_block(int64_t O, F f) {
-  if (O % 6 == 0) f(std::integral_constant<int, 6>{});
+  if (REGS < 32) {
+    if (O % 2 == 0) f(std::integral_constant<int, 2>{});
+    else f(std::integral_constant<int, 1>{});
+  } else if (O % 6 == 0) f(std::integral_constant<int, 6>{});
   else if (O % 5 == 0) f(std::integral_constant<int, 5>{});
   else if (O % 4 == 0) f(std::integral_constant<int, 4>{});
   else if (O % 3 == 0) f(std::integral_constant<int, 3>{});
@@ -241,20 +269,25 @@ void with_block(int64_t O, F f) {
 // window receives a gradient, so the backward visits routed outputs only: 1/4 of the dense
 // convolution backward's multiply-adds, for the input gradient and the weight gradient alike.
 //
-// Compiled for the LeNets' shape (CIN = 6, 5x5, O <= 2 vectors); other shapes use the torch ops.
+// Compiled for the LeNets' shape (CIN = 6, 5x5, O <= 2 logical vectors: 32 floats, 16 doubles); other
+// shapes use the torch ops.
 // Forward: vectorised over the output channels o, JB pooled columns at once (4 window positions x JB
-// columns x OV vectors of accumulators). Backward, per conv output position (column-major, so that
+// columns x OV vectors of accumulators, JB sized to the register file). Backward, per conv output
+// position (column-major, so that
 // consecutive read-modify-writes of the input gradient hit exactly the addresses just written):
 // the routed outputs' g * w patches are summed in registers, then added to the gradient once.
 // A patch row is S*CIN contiguous values of the client's input (gathered per sample into a padded
-// buffer xk[y][x*CIN + ci]), RV vectors.
+// buffer xk[y][x*CIN + ci]), RV vectors; RB patch rows at a time (RB*RV accumulators in registers).
 
-constexpr int JB = 4;  // pooled columns per forward block
 constexpr int CIN2 = 6, R2 = 5, S2 = 5;
+
+// pooled columns per forward block: 4*JB*OV accumulators in half the vector registers
+constexpr int jb_for(int OV) { return REGS / 2 / (4 * OV) > 1 ? REGS / 2 / (4 * OV) : 1; }
+constexpr int JB_MAX = jb_for(1);
 
 struct Inner {
   int64_t B, H, W, K, O, Hp, Wp, C;
-  int64_t nJB, XS;  // column blocks; padded row stride of xk (elements)
+  int64_t nJB, XS;  // column blocks of JB_MAX; padded row stride of xk (elements)
 };
 
 template <typename T>
@@ -263,8 +296,8 @@ constexpr int row_vectors() { return (S2 * CIN2 + V<T>::L - 1) / V<T>::L; }
 template <typename T>
 Inner make_inner(int64_t B, int64_t H, int64_t W, int64_t K, int64_t O) {
   Inner s{B, H, W, K, O, (H - R2 + 1) / 2, (W - S2 + 1) / 2, K * CIN2, 0, 0};
-  s.nJB = (s.Wp + JB - 1) / JB;
-  const int64_t cols = W > 2 * s.nJB * JB + S2 ? W : 2 * s.nJB * JB + S2;  // forward reads up to here
+  s.nJB = (s.Wp + JB_MAX - 1) / JB_MAX;
+  const int64_t cols = W > 2 * s.nJB * JB_MAX + S2 ? W : 2 * s.nJB * JB_MAX + S2;  // forward reads up to here
   s.XS = cols * CIN2 + row_vectors<T>() * V<T>::L;                        // + a patch row's overrun
   return s;
 }
@@ -283,7 +316,8 @@ void gather_client(const T* h, const Inner& s, int64_t b, int64_t k, T* xk) {
 template <typename T, int OV>
 void inner_forward(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, const Inner& s) {
   typedef typename V<T>::type vec;
-  constexpr int L = V<T>::L, taps = CIN2 * R2 * S2;
+  constexpr int L = V<T>::L, taps = CIN2 * R2 * S2, JB = jb_for(OV);
+  const int64_t nJB = (s.Wp + JB - 1) / JB;  // within the buffer: JB divides JB_MAX
   const int64_t plane = s.Hp * s.Wp;
   std::vector<T> xk(s.H * s.XS);
   std::vector<vec> wt(taps * OV);  // wt[(r*S + q)*CIN + ci][v]: lanes = output channels (0-padded)
@@ -302,7 +336,7 @@ void inner_forward(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, co
       T* yk = y + (k * s.B + b) * s.O * plane;
       uint8_t* ak = arg + (k * s.B + b) * s.O * plane;
       for (int64_t i = 0; i < s.Hp; ++i)
-        for (int64_t jb = 0; jb < s.nJB; ++jb) {
+        for (int64_t jb = 0; jb < nJB; ++jb) {
           vec acc[JB][4][OV];
           for (int jj = 0; jj < JB; ++jj)
             for (int p = 0; p < 4; ++p)
@@ -337,6 +371,8 @@ template <typename T>
 void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* gh, T* gw, T* gb, const Inner& s) {
   typedef typename V<T>::type vec;
   constexpr int L = V<T>::L, RV = row_vectors<T>(), RW = RV * L, taps = CIN2 * R2 * S2;
+  // patch rows per block: RB*RV accumulators in half the registers (all 5 rows with AVX-512 floats)
+  constexpr int RB = REGS / 2 / RV >= R2 ? R2 : REGS / 2 / RV >= 1 ? REGS / 2 / RV : 1;
   const int64_t plane = s.Hp * s.Wp;
   std::vector<T> xk(s.H * s.XS), dxk(s.H * s.XS), db(s.O);
   std::vector<vec> wrow(s.O * R2 * RV), dw(s.O * R2 * RV);  // [o][r][v]: lanes = (q, ci), 0-padded
@@ -371,26 +407,33 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
           const int n = routed_n[at * 5 + p];
           if (n == 0) continue;
           const uint8_t* os = routed.data() + (at * 5 + p) * s.O;
-          vec acc[R2][RV] = {};
           const T* xb = xk.data() + y0 * s.XS + x0 * CIN2;
-          for (int t = 0; t < n; ++t) {
-            const int64_t o = os[t];
-            const T g = gk[o * plane + at];
-            db[o] += g;
-            const vec* wr = wrow.data() + o * R2 * RV;
-            vec* dwr = dw.data() + o * R2 * RV;
-            for (int r = 0; r < R2; ++r)
-              for (int v = 0; v < RV; ++v) {
-                acc[r][v] += g * wr[r * RV + v];                          // lanes past S*CIN: + g*0
-                dwr[r * RV + v] += g * loadu(xb + r * s.XS + v * L);     // lanes past S*CIN: discarded
-              }
-          }
           T* db0 = dxk.data() + y0 * s.XS + x0 * CIN2;
-          for (int r = 0; r < R2; ++r)
-            for (int v = 0; v < RV; ++v) {
-              const vec d = loadu(db0 + r * s.XS + v * L) + acc[r][v];
-              std::memcpy(db0 + r * s.XS + v * L, &d, sizeof(d));
+          // rows r0..r0+NR-1 (NR a compile-time count); each element's sum runs over t in the same order
+          auto rows = [&](int r0, auto nr_c) {
+            constexpr int NR = decltype(nr_c)::value;
+            vec acc[NR][RV] = {};
+            for (int t = 0; t < n; ++t) {
+              const int64_t o = os[t];
+              const T g = gk[o * plane + at];
+              if (r0 == 0) db[o] += g;
+              const vec* wr = wrow.data() + (o * R2 + r0) * RV;
+              vec* dwr = dw.data() + (o * R2 + r0) * RV;
+              for (int r = 0; r < NR; ++r)
+                for (int v = 0; v < RV; ++v) {
+                  acc[r][v] += g * wr[r * RV + v];                                // lanes past S*CIN: + g*0
+                  dwr[r * RV + v] += g * loadu(xb + (r0 + r) * s.XS + v * L);     // lanes past S*CIN: discarded
+                }
             }
+            for (int r = 0; r < NR; ++r)
+              for (int v = 0; v < RV; ++v) {
+                const vec d = loadu(db0 + (r0 + r) * s.XS + v * L) + acc[r][v];
+                std::memcpy(db0 + (r0 + r) * s.XS + v * L, &d, sizeof(d));
+              }
+          };
+          int r0 = 0;
+          for (; r0 + RB <= R2; r0 += RB) rows(r0, std::integral_constant<int, RB>{});
+          if (r0 < R2) rows(r0, std::integral_constant<int, R2 % RB == 0 ? 1 : R2 % RB>{});
         }
       for (int64_t yy = 0; yy < s.H; ++yy)
         for (int64_t x = 0; x < s.W; ++x) {
@@ -426,22 +469,25 @@ extern "C" {
     with_block(O, [&](auto ob) { backward<T, decltype(ob)::value>(x_all, rows, gy, arg, gw, gb, s); });    \
   }
 
-// The second layer's entry points take the LeNets' shape only (CIN = 6, 5x5 kernels, O <= 2 vectors):
+// The second layer's entry points take the LeNets' shape only (CIN = 6, 5x5 kernels, O <= 2 logical vectors):
 // they return -1 and do nothing for any other, and the caller uses the torch ops.
 #define DROPFL_INNER(T, suffix)                                                                              \
   int dropfl_conv2_pool_fwd_##suffix(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, int64_t B,   \
                                      int64_t H, int64_t W, int64_t K, int64_t Cin, int64_t O, int64_t R,     \
                                      int64_t S) {                                                          \
-    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * V<T>::L) return -1;                                   \
+    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * LOGICAL / int64_t(sizeof(T))) return -1;              \
     const Inner s = make_inner<T>(B, H, W, K, O);                                                          \
-    if (O <= V<T>::L) inner_forward<T, 1>(h, w, bias, y, arg, s);                                          \
-    else inner_forward<T, 2>(h, w, bias, y, arg, s);                                                       \
+    const int64_t L = V<T>::L;                                                                             \
+    if (O <= L) inner_forward<T, 1>(h, w, bias, y, arg, s);                                                \
+    else if (O <= 2 * L) inner_forward<T, 2>(h, w, bias, y, arg, s);                                       \
+    else if (O <= 4 * L) inner_forward<T, 4>(h, w, bias, y, arg, s);                                       \
+    else inner_forward<T, 8>(h, w, bias, y, arg, s);                                                       \
     return 0;                                                                                              \
   }                                                                                                        \
   int dropfl_conv2_pool_bwd_##suffix(const T* h, const T* w, const T* gy, const uint8_t* arg, T* gh, T* gw,  \
                                      T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin,       \
                                      int64_t O, int64_t R, int64_t S) {                                    \
-    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * V<T>::L) return -1;                                   \
+    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * LOGICAL / int64_t(sizeof(T))) return -1;              \
     inner_backward<T>(h, w, gy, arg, gh, gw, gb, make_inner<T>(B, H, W, K, O));                            \
     return 0;                                                                                              \
   }

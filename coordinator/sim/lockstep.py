@@ -1,0 +1,315 @@
+"""Lockstep: runs of a sweep that share a dataset and a model advance round by round together, and the
+local training of round t of all of them is ONE call of one batched engine (coordinator/sim/batched.py).
+
+How: every run is `run_sim` in its own thread, unchanged: its own round loop, run directory,
+checkpoints and resume. Its SimTransport gets a `_Proxy` instead of a BatchedEngine
+(`run_sim(make_engine=...)`): the proxy hands the round's tasks to the group's `Lockstep` and waits.
+When every run still running has handed in its round, the tasks of all of them are trained in the
+worker processes of one shared engine, which holds the data of every run (runs whose shards are
+equal share one copy), and each run gets its results back.
+
+Turns: a run's thread holds the group's lock whenever it runs its own code and gives it up only while it
+waits for its results. So outside training only one run computes at a time, with the process-wide state
+(torch's thread count, logging) exactly as a serial sweep has it, and nothing of a run interleaves
+with another's except at `run_round`. Each run's log records go to its own log.txt/log.jsonl (`_Router`).
+
+Exactness (tests/test_sweep.py: model.pt and metrics bitwise equal to the serial executor's):
+1. The serial executor's engine cuts a run's tasks into `slices` and trains each as one computation.
+   A client's result does not depend on which other clients share its computation on the paths
+   `_merges` admits: the fused native LeNet layers (one client after another inside the kernel) and
+   batched matmuls (one GEMM per client); measured bit for bit, alone, in any order, with any neighbours
+   (tests/test_sweep.py). Torch's grouped convolutions round differently with the number of groups:
+   a run on that path (no native kernels) trains its own slices alone, as the serial executor does.
+2. `Group._train` makes some choices per computation: one lr (then `add_(alpha=-lr)`) or several
+   (`addcmul_`), the padding width (the batch size), whether FedProx's μ term and SCAFFOLD's correction
+   are added. A slice is merged only with slices that make the same choices (`_key`); others train alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.sim.batched import BatchedEngine, Group, _lenet, _logreg, _mlp, batched_forward
+from coordinator.sim.kernels import inner_fits
+from coordinator.strategies import STRATEGIES
+from edge_client import logs
+from edge_client.trainer import LocalResult, TrainTask
+
+# models whose batched path is independent of the batch's other clients (LeNets: with the native kernels,
+# which `_merges` checks on the run's own model and data)
+BATCH_INDEPENDENT = ("mimic-cnn", "cifar-lenet", "mlp", "logreg")
+
+
+def why_not(cfg) -> str | None:
+    """Why a run cannot join a lockstep group (it then runs serially), or None."""
+    if cfg.train.engine != "batched":
+        return f"--engine {cfg.train.engine}"
+    if cfg.clock.profile:
+        return "a clock profile (its clients train on the reference loop)"
+    cls = STRATEGIES.get(cfg.strategy.algo)
+    if cls is None or getattr(cls, "sets_dropout_rate", False):
+        return f"--algo {cfg.strategy.algo} (its tasks train on the reference loop)"
+    if cfg.model.model not in BATCH_INDEPENDENT:
+        return (f"--model {cfg.model.model}: its torch grouped convolutions round differently with the number "
+                "of clients in a batch, so merged runs would not be exact")
+    if getattr(cfg.run, "track", None):
+        return "--track (the trackers keep process-wide state)"
+    if torch.cuda.is_available():
+        return "CUDA (that a client's result is independent of its batch is checked on the CPU paths only)"
+    return None
+
+
+def group_key(cfg) -> tuple:
+    """Runs with equal keys share one lockstep group: same data, model, local work per task, and --slices
+    (how the serial executor's engine cuts a round, which the group keeps)."""
+    return (cfg.data.dataset, cfg.data.data_dir, cfg.model.model, cfg.model.dropout, cfg.train.batch_size,
+            cfg.train.epochs, cfg.train.steps, cfg.run.threads, getattr(cfg.train, "slices", 2))
+
+
+def _merges(model: torch.nn.Module, group: Group) -> bool:
+    """Whether this engine path gives each client the same bits whatever clients share its computation."""
+    fn = batched_forward(model)
+    if fn in (_mlp, _logreg):
+        return True
+    if fn is _lenet and group.native:
+        w = dict(model.named_parameters())["conv2.weight"]
+        return inner_fits(w.shape[1], w.shape[0], tuple(w.shape[2:]), group.x_all.dtype)
+    return False
+
+
+def _key(tasks: list[TrainTask], merges: bool) -> tuple | None:
+    """What `Group._train` decides per computation for these tasks (a serial slice); None: train alone."""
+    lrs, sizes, mus = {t.lr for t in tasks}, {t.batch_size for t in tasks}, {t.prox_mu for t in tasks}
+    if not merges or len(lrs) != 1 or len(sizes) != 1 or len(mus) != 1:
+        return None
+    return (lrs.pop(), sizes.pop(), mus.pop(), any(t.grad_correction is not None for t in tasks))
+
+
+class _Router(logging.Handler):
+    """Sends each log record to the log files of the run whose thread wrote it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: dict[int, list[logging.Handler]] = {}
+        self._dropfl = "lockstep"
+
+    def take(self) -> None:
+        """Move the run files `setup_run` just attached (logs.attach_run_files) to this thread's records."""
+        root = logging.getLogger(logs.ROOT)
+        mine = [h for h in root.handlers if getattr(h, "_dropfl", None) == "run"]
+        for h in mine:
+            root.removeHandler(h)
+        self.files[threading.get_ident()] = mine
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for h in self.files.get(record.thread, ()):
+            if record.levelno >= h.level:
+                h.handle(record)
+
+    def close(self) -> None:
+        for hs in self.files.values():
+            for h in hs:
+                h.close()
+        super().close()
+
+
+@dataclass
+class _Request:
+    w: torch.Tensor
+    tasks: list[TrainTask]
+    base: int          # this run's client 0 in the shared engine's data
+    merges: bool
+
+
+class Lockstep:
+    """One lockstep group: its runs' turns, their submitted rounds, and the shared engine."""
+
+    def __init__(self, runs: int, workers: int | None = None, progress: Callable[[str], None] | None = None,
+                 slices: int = 2):
+        self.cv = threading.Condition(threading.Lock())
+        self.live, self.workers, self.progress, self.slices = runs, workers, progress, slices
+        self.pending: dict[int, _Request] = {}
+        self.done: dict[int, list[LocalResult]] = {}
+        self.blocks: dict[str, int] = {}          # digest of a run's shards → its first client in `data`
+        self.data: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.model: torch.nn.Module | None = None
+        self.engine: BatchedEngine | None = None
+        self.labels: set[str] = set()             # what the runs' proxies say they are (must match the engine)
+        self.failed: BaseException | None = None
+        self.rounds = 0
+
+    def factory(self, rid: int, router: _Router):
+        def make(model: torch.nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]]) -> _Proxy:
+            router.take()   # setup_run has just attached the run's log files
+            return _Proxy(self, rid, model, client_data)
+        return make
+
+    def add_data(self, model: torch.nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """This run's first client in the shared data (runs with equal shards share them)."""
+        if self.engine is not None:
+            raise RuntimeError("lockstep: a run joined after training started")
+        h = hashlib.blake2b(digest_size=16)
+        for x, y in client_data:
+            h.update(str((tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)).encode())
+            h.update(x.contiguous().numpy().tobytes())
+            h.update(y.contiguous().numpy().tobytes())
+        key = h.hexdigest()
+        if key not in self.blocks:
+            self.blocks[key] = len(self.data)
+            self.data.extend(client_data)
+        if self.model is None:
+            self.model = model
+        return self.blocks[key]
+
+    def submit(self, rid: int, req: _Request) -> list[LocalResult]:
+        """Called in the run's turn (self.cv held): wait until every live run has submitted, train, return."""
+        self.pending[rid] = req
+        self._maybe_train()
+        while rid not in self.done:
+            if self.failed is not None:
+                raise RuntimeError(f"lockstep: another run's round failed ({self.failed!r})") from self.failed
+            self.cv.wait()
+        return self.done.pop(rid)
+
+    def leave(self) -> None:
+        """A run has finished (or failed): the others no longer wait for it."""
+        self.live -= 1
+        self._maybe_train()
+
+    def _maybe_train(self) -> None:
+        if not self.pending or len(self.pending) < self.live or self.failed is not None:
+            return
+        requests, self.pending = self.pending, {}
+        try:
+            self.done.update(self._train(requests))
+        except BaseException as e:
+            self.failed = e
+            raise
+        finally:
+            self.cv.notify_all()
+
+    def _train(self, requests: dict[int, _Request]) -> dict[int, list[LocalResult]]:
+        tick = time.perf_counter()
+        if self.engine is None:
+            assert self.model is not None
+            # the runs' --slices: the serial executor's engine cuts each run's round the same way
+            self.engine = BatchedEngine(self.model, self.data, workers=self.workers, groups=self.slices)
+            if self.labels != {self.engine.describe()}:   # metrics.jsonl's `engine` must say what ran
+                raise RuntimeError(f"lockstep: the runs expect {self.labels}, the engine is {self.engine.describe()}")
+        rids = sorted(requests)
+        ws = torch.stack([requests[r].w for r in rids])
+        merged: dict[tuple, list[tuple[int, int]]] = {}   # key → (rid, task index) of every merged task
+        parts: list[tuple] = []                           # (w, tasks, data, start) as Group.train takes them
+        owners: list[list[tuple[int, int]]] = []
+        for r in rids:
+            req = requests[r]
+            at = {id(t): i for i, t in enumerate(req.tasks)}
+            for s in self.engine.slices(req.tasks):   # the serial executor's slices of this run's round
+                key = _key(s, req.merges)
+                if key is None:                       # trains alone, exactly as the serial slice
+                    parts.append((req.w, s, [req.base + t.client for t in s], None))
+                    owners.append([(r, at[id(t)]) for t in s])
+                else:
+                    merged.setdefault(key, []).extend((r, at[id(t)]) for t in s)
+        for members in merged.values():               # cut by count, independent of the worker count
+            g = min(self.engine.groups, len(members))
+            bounds = [len(members) * i // g for i in range(g + 1)]
+            for a, b in zip(bounds, bounds[1:]):
+                chunk = members[a:b]
+                tasks = [requests[r].tasks[i] for r, i in chunk]
+                parts.append((ws, tasks, [requests[r].base + t.client for (r, _), t in zip(chunk, tasks)],
+                              [rids.index(r) for r, _ in chunk]))
+                owners.append(chunk)
+        out = {r: [None] * len(requests[r].tasks) for r in rids}
+        for chunk, results in zip(owners, self.engine.run_parts(parts)):
+            for (r, i), res in zip(chunk, results):
+                out[r][i] = res
+        self.rounds += 1
+        if self.progress is not None:
+            n = sum(len(requests[r].tasks) for r in rids)
+            self.progress(f"lockstep step {self.rounds}: {len(rids)} runs, {n} clients in {len(parts)} "
+                          f"computations, {time.perf_counter() - tick:.1f} s")
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+class _Proxy:
+    """What a run's SimTransport takes for its batched engine: the run's side of the lockstep group."""
+
+    def __init__(self, lockstep: Lockstep, rid: int, model: torch.nn.Module,
+                 client_data: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.lockstep, self.rid = lockstep, rid
+        self.base = lockstep.add_data(model, client_data)
+        # what the serial executor's engine would run for this run (the same decision, on the same inputs)
+        x0 = next((x for x, _ in client_data if len(x)), client_data[0][0])
+        probe = Group(model, x0[:1], torch.zeros(1, dtype=torch.long), [0], [1])
+        self.native, self.device = probe.native, probe.device
+        self.merges = _merges(model, probe)
+        lockstep.labels.add(self.describe())
+
+    def describe(self) -> str:
+        return BatchedEngine.describe(self)  # type: ignore[arg-type]  (reads .native and .device)
+
+    def details(self) -> dict:
+        return {"device": str(self.device), "workers": self.lockstep.workers or 0, "native": bool(self.native),
+                "kernel": self.native, "lockstep": True, "merged": self.merges}
+
+    def run(self, w: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+        return self.lockstep.submit(self.rid, _Request(w, tasks, self.base, self.merges))
+
+    def close(self) -> None:
+        """The shared engine outlives each run; the group closes it."""
+
+
+def run_group(jobs: list, progress: bool, say: Callable[[str], None], workers: int | None = None) -> None:
+    """Run `jobs` (coordinator/sim/sweep.Job, one lockstep group) to the end; raise the first job's error
+    after the others have finished (a failing run does not stop the others)."""
+    from coordinator.sim.run import run_sim
+
+    group = Lockstep(len(jobs), workers, say if progress else None, getattr(jobs[0].cfg.train, "slices", 2))
+    router = _Router()
+    root = logging.getLogger(logs.ROOT)
+    root.addHandler(router)
+    errors: dict[int, BaseException] = {}
+
+    def body(rid: int) -> None:
+        job = jobs[rid]
+        with group.cv:   # this run's turn (given up only while it waits in Lockstep.submit)
+            try:
+                run_sim(job.cfg, str(job.out), resume=job.resume, progress=False, overwrite=job.overwrite,
+                        make_engine=group.factory(rid, router))
+                say(f"lockstep: {job.label or job.out} done")
+            except BaseException as e:  # noqa: BLE001 (reported below, after the other runs)
+                errors[rid] = e
+                say(f"lockstep: {job.label or job.out} failed: {e}")
+            finally:
+                try:
+                    group.leave()
+                except BaseException as e:  # noqa: BLE001 (the training of the others' round failed)
+                    errors.setdefault(rid, e)
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"lockstep-{i}", daemon=True) for i in range(len(jobs))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)   # a join with a timeout lets Ctrl-C through
+    finally:
+        root.removeHandler(router)
+        router.close()
+    # after all runs (on Ctrl-C the runs' threads and the engine's workers end with this process;
+    # every run directory holds its last checkpoint, so --resume continues it)
+    group.close()
+    if errors:
+        raise errors[min(errors)]
