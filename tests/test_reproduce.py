@@ -1,6 +1,7 @@
 """dropfl reproduce mimic-table3 on a tiny setting: the whole pipeline, its JSON schema, resumption."""
 
 import json
+import re
 
 import pytest
 from strategy_helpers import cache_dataset_loads
@@ -136,3 +137,92 @@ def test_halfnormal_runs_get_their_own_files_and_uncapped_taus_reuse_one_run(tmp
     md = (tmp_path / "res" / "mimic_table3_halfnormal.md").read_text()
     assert "τ_i halfnormal (released code)" in md
     assert "| MimiC | 20, 50 | 0 |" in md and "The 1 distinct runs in the table took" in md  # listed, timed once
+
+
+# --- one command per seed paper: every --quick form end to end (docs/reproductions.md) ---
+
+VERDICT = re.compile(r"^- verdict: .+: (holds|DOES NOT HOLD|not measured) \(.+\)$")
+QUICK = {  # name → (results stem, the paper gives numbers: a _vs_paper figure)
+    "mimic-table3": ("mimic_table3_quick", False),  # τmax 3: not in the paper, no bars
+    "fdms-fig1": ("fdms_fig1_quick", False),
+    "fedlaavg-fig8": ("fedlaavg_fig8_quick", False),
+    "feddd-virtual-clock": ("feddd_virtual_clock_t2a_quick", True),
+}
+
+
+@pytest.mark.parametrize("name", list(QUICK))
+def test_quick_form_writes_results_and_verdicts(name, tmp_path, capsys):
+    stem, has_paper = QUICK[name]
+    args = ["reproduce", name, "--quick", "--engine", "loop", "--no-progress", "--threads", "1",
+            "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")]
+    with pytest.MonkeyPatch.context() as mp:
+        cache_dataset_loads(mp)
+        assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "res" / f"{stem}.json").read_text())
+    verdicts = [line for line in out.splitlines() if line.startswith("- verdict:")]
+    assert verdicts and all(VERDICT.match(v) for v in verdicts), verdicts
+    assert len(res["verdicts"]) == len(set(verdicts)) >= 2
+    assert {v["verdict"] for v in res["verdicts"]} <= {"holds", "DOES NOT HOLD", "not measured"}
+    cells = [c for by in res["ours"].values() for c in by.values()]
+    assert cells and all(len(c["trials"]) == 1 == len(c["runs"]) and c["std"] == 0.0 for c in cells)
+    assert all(c["mean"] is not None for c in cells), "the quick form measures every cell"
+    md = (tmp_path / "res" / f"{stem}.md").read_text()
+    assert "## Verdicts (the orderings the paper claims)" in md
+    assert all(v in md for v in verdicts)
+    figs = [f"{stem}_fig4.png" if name == "mimic-table3" else f"{stem}.png"]
+    figs += [f"{stem}_vs_paper.png"] if has_paper else []
+    for f in figs:
+        assert (tmp_path / "res" / f).read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "res" / f"{stem}_vs_paper.png").exists() or has_paper
+    if has_paper:
+        assert res["paper"]
+    if name == "fdms-fig1":  # its FL-FDMS runs keep a friend log, and the verdict on it is measured
+        assert (tmp_path / "runs" / "fdms-a0.5-s0" / "friends.jsonl").exists()
+        assert any("friends are found" in v and "not measured" not in v for v in verdicts)
+
+
+def test_feddd_quick_normalises_to_fedavg_of_the_same_trial(tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        cache_dataset_loads(mp)
+        assert cli.main(["reproduce", "feddd-virtual-clock", "--quick", "--engine", "loop", "--no-progress",
+                         "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")]) == 0
+    res = json.loads((tmp_path / "res" / "feddd_virtual_clock_t2a_quick.json").read_text())
+    cells = res["ours"]["MNIST IID"]
+    assert cells["FedAvg"]["mean"] == 1.0
+    from coordinator.report.feddd_clock import time_to_target
+
+    t = {m: time_to_target(tmp_path / "runs" / f"{m}-s0", 0.6) for m in ("fedavg", "feddd")}
+    assert cells["FedDD"]["trials"] == [round(t["feddd"] / t["fedavg"], 3)]
+    assert (tmp_path / "runs" / "profile-s0.json").exists()
+
+
+@pytest.mark.parametrize("extra", [["--taus", "3"], ["--alphas", "0.5"], ["--settings", "2:1"], ["--target", "0.5"]])
+def test_an_option_of_another_experiment_is_a_user_error(extra, tmp_path, capsys):
+    name = "fedlaavg-fig8" if extra[0] != "--settings" else "fdms-fig1"
+    assert cli.main(["reproduce", name, "--quick", *extra, "--out", str(tmp_path / "r")]) == 2
+    assert "belongs to" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+@pytest.mark.parametrize("name", ["mimic-table3", "fedlaavg-fig8"])
+def test_runs_go_through_the_sweep_with_the_chosen_executor(name, tmp_path):
+    from coordinator.sim import sweep
+
+    seen = []
+    real = sweep.run_sweep
+
+    def spy(jobs, executor, **kw):
+        seen.append((executor, [type(j).__name__ for j in jobs], [j.out.name for j in jobs]))
+        return real(jobs, executor=executor, **kw)
+
+    args = ["reproduce", name, "--quick", "--engine", "loop", "--no-progress", "--executor", "serial",
+            "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "res")]
+    with pytest.MonkeyPatch.context() as mp:
+        cache_dataset_loads(mp)
+        mp.setattr(sweep, "run_sweep", spy)
+        assert cli.main(args) == 0
+        assert cli.main(args) == 0  # everything finished: nothing left to run, the sweep is not called again
+    ((executor, kinds, outs),) = seen
+    assert executor == "serial" and set(kinds) == {"Job"} and len(outs) == 5
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == sorted(outs)

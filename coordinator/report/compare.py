@@ -1,6 +1,7 @@
 """Compare run directories: accuracy against uploads, who took part when (and why not), and a table.
 
-Reads only what a run directory holds (config.json, metrics.jsonl, participation.csv; docs/run-directory.md)
+Reads only what a run directory holds (config.json, metrics.jsonl, participation.csv or the columnar
+participation/; docs/run-directory.md)
 and writes PNGs (matplotlib, Agg backend: no display needed) and Markdown.
 """
 
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.availability import columnar
+from coordinator.availability.models import REASONS
 from coordinator.availability.participation import FIELDS, STATUSES
 from coordinator.errors import UserError
+from coordinator.progress import bar
 
 # raster colours: participated / not selected, then one colour per reason (unavailable: blues and greys,
 # dropped: reds and oranges)
@@ -30,6 +34,7 @@ class Run:
     config: dict
     metrics: list[dict]
     participation: list[dict] = field(default_factory=list)
+    columnar: tuple | None = None  # (rounds, status, reason) of RUN/participation/ (availability/columnar.py)
 
     @property
     def algo(self) -> str:
@@ -52,7 +57,9 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         metrics = [json.loads(line) for line in (p / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except json.JSONDecodeError as e:
         raise UserError(f"{p}: unreadable JSON ({e})") from None
-    rows = []
+    rows, cols = [], None
+    if (p / columnar.DIR).is_dir():  # the columnar log of a large run (--participation-format npz)
+        cols = columnar.read_columnar(p / columnar.DIR)
     part = p / "participation.csv"
     if part.exists():
         with open(part, newline="") as f:
@@ -60,7 +67,7 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
             if reader.fieldnames is None or not set(FIELDS) <= set(reader.fieldnames):
                 raise UserError(f"{part}: not a participation log (need columns {', '.join(FIELDS)})")
             rows = list(reader)
-    return Run(name or p.name, p, config, metrics, rows)
+    return Run(name or p.name, p, config, metrics, rows, cols)
 
 
 def load_runs(paths: list[str]) -> list[Run]:
@@ -147,6 +154,8 @@ def run_curve(run: Run) -> tuple[list[float], list[float]]:
 def raster_codes(run: Run, n_clients: int | None = None) -> tuple[np.ndarray, list[str]]:
     """[clients, rounds] integer codes into `labels` ("participated", "not_selected",
     "unavailable: battery", "dropped: deadline", ...); -1 where the log has no row."""
+    if run.columnar is not None:
+        return columnar_codes(*run.columnar)
     rows = run.participation
     if not rows:
         raise UserError(f"{run.path}: no participation.csv")
@@ -167,6 +176,20 @@ def raster_codes(run: Run, n_clients: int | None = None) -> tuple[np.ndarray, li
             index[label] = len(labels)
             labels.append(label)
         codes[c, t] = index[label]
+    return codes, labels
+
+
+def columnar_codes(rounds: np.ndarray, status: np.ndarray, reason: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """`raster_codes` from the columnar log's arrays: the same labels, computed per (status, reason) pair."""
+    names = ("",) + REASONS
+    pair = status.astype(np.int32) * 256 + reason
+    uniq, inverse = np.unique(pair, return_inverse=True)
+    labels = []
+    for code in uniq.tolist():
+        st, why = columnar.STATUSES[code // 256], names[code % 256]
+        labels.append(st if st in STATUS_COLOURS else f"{st}: {why or '?'}")
+    codes = np.full((status.shape[1], int(rounds.max()) + 1), -1, dtype=np.int32)
+    codes[:, rounds] = inverse.reshape(status.shape).T
     return codes, labels
 
 
@@ -216,23 +239,35 @@ def participation_raster(run: Run, out: Path) -> Path:
     return out
 
 
-def write_report(runs: list[Run], out_dir: str | Path) -> dict[str, Path]:
-    """accuracy_vs_uploads.png, participation-<run>.png per run, comparison.md (table + image links)."""
+def write_report(runs: list[Run], out_dir: str | Path, progress: bool = False) -> dict[str, Path]:
+    """accuracy_vs_uploads.png, participation-<run>.png per run, friends-<run>.png per FL-FDMS run,
+    comparison.md (table + image links). `progress`: a bar over the runs' rasters on a terminal (~0.5 s each)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
     files["accuracy"] = accuracy_plot({r.name: run_curve(r) for r in runs}, out / "accuracy_vs_uploads.png",
                                       "test accuracy against model uploads")
     rasters = []
-    for r in runs:
-        if r.participation:
+    for r in bar(runs, desc="rasters", unit="run", enabled=progress and len(runs) > 1):
+        if r.participation or r.columnar is not None:
             safe = r.name.replace("/", "_")
             files[f"raster:{r.name}"] = participation_raster(r, out / f"participation-{safe}.png")
             rasters.append((r.name, f"participation-{safe}.png"))
+    from coordinator.report.friends import friend_panel
+
+    friends = []   # FL-FDMS runs: the friend panel (coordinator/report/friends.py)
+    for r in runs:
+        safe = r.name.replace("/", "_")
+        panel = friend_panel(r.path, r.name, out / f"friends-{safe}.png")
+        if panel is not None:
+            files[f"friends:{r.name}"] = panel[0]
+            friends.append((r.name, panel[0].name, panel[1]))
     table = comparison_table(runs)
     md = ["# Run comparison", "", table, "![accuracy against uploads](accuracy_vs_uploads.png)", ""]
     for name, png in rasters:
         md += [f"## Participation: {name}", "", f"![participation of {name}]({png})", ""]
+    for name, png, text in friends:
+        md += [f"## FL-FDMS friends: {name}", "", text, "", f"![friends of {name}]({png})", ""]
     (out / "comparison.md").write_text("\n".join(md))
     files["table"] = out / "comparison.md"
     return files

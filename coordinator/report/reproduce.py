@@ -1,6 +1,6 @@
 """`dropfl reproduce mimic-table3`: MimiC's Table 3 (FMNIST, bounded consecutive dropouts, τmax ∈ {20, 50, 100}).
 
-One run directory per (method, τmax, trial) under --out, run with coordinator.sim.run.run_sim in the paper's
+One run directory per (method, τmax, trial) under --out, run by coordinator.sim.sweep.run_sweep in the paper's
 setup (mimic.md §4.4 and §7). Finished runs are skipped and interrupted ones resumed from their checkpoint,
 so the command can be stopped and restarted. (Over ~300 lines: one experiment end to end, grid, table,
 evidence and figure, which a reviewer holding the paper reads top to bottom.)
@@ -133,20 +133,46 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path,
-             progress: bool = True, log=None, report_only: bool = False) -> dict[str, dict[str, dict]]:
+             progress: bool = True, log=None, report_only: bool = False,
+             executor: str = "serial") -> dict[str, dict[str, dict]]:
     """Run (or skip, or resume) every (method, τ, trial); return ours[method][τ] = {mean, std, trials, ...}.
+    The runs still to do are first listed as sweep Jobs (every run directory checked before anything is
+    written), then run together by `coordinator.sim.sweep.run_sweep` with `executor`.
     With `report_only`, nothing is run: unfinished trials are left out of the cells (and said so)."""
+    from coordinator.sim.sweep import run_sweep
+
     log = log or _log.info
+    cells, jobs = plan_grid(setup, methods, taus, trials, root, log, report_only)
+    if jobs:
+        run_sweep(jobs, executor=executor, progress=progress, log=log)
+    ours: dict[str, dict[str, dict]] = {}
+    for (method, tau), paths in cells.items():
+        if not paths:
+            continue
+        finals, seeds = [curve(p)[1][-1] for _, p in paths], [t for t, _ in paths]
+        mean, std = mean_std(finals)
+        ours.setdefault(method, {})[str(tau)] = {
+            "mean": round(mean, 2), "std": round(std, 2), "trials": [round(x, 2) for x in finals],
+            "seeds": seeds, "runs": [str(p) for _, p in paths], "per_run": [run_stats(p) for _, p in paths]}
+    return ours
+
+
+def plan_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path, log, report_only: bool,
+              ) -> tuple[dict[tuple[str, int], list[tuple[int, Path]]], list]:
+    """Decide for each (method, τ, trial) whether it reuses another run, is done, is left out or must run;
+    return cells[(method, τ)] = [(trial, run dir)] and the jobs still to run. Raises UserError before
+    anything is written if a run directory holds another setup."""
     from coordinator.runsetup import build_availability
-    from coordinator.sim.run import run_sim
+    from coordinator.sim.sweep import Job
     from coordinator.strategies import STRATEGIES
 
-    ours: dict[str, dict[str, dict]] = {}
+    cells: dict[tuple[str, int], list[tuple[int, Path]]] = {}
+    jobs = []
     ran: dict[tuple[str, int], list[tuple[np.ndarray, Path]]] = {}   # (method, trial) → [(τ_i, run dir)]
     total, k = len(methods) * len(taus) * trials, 0
     for tau in sorted(taus):
         for method in methods:
-            finals, seeds, paths = [], [], []
+            cell = cells.setdefault((method, tau), [])
             for trial in range(trials):
                 k += 1
                 path = run_dir(root, method, tau, trial, setup.tau_dist)
@@ -160,9 +186,7 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
                 if same is not None:
                     log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: same τ_i as {same.name} "
                         f"(none reaches {tau}), reusing that run")
-                    finals.append(curve(same)[1][-1])
-                    seeds.append(trial)
-                    paths.append(same)
+                    cell.append((trial, same))
                     continue
                 if not same_setup(path, cfg):
                     raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
@@ -173,20 +197,11 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
                     continue
                 else:
                     resume = (path / "checkpoint.pt").exists()
-                    log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: {'resuming' if resume else 'running'} "
-                        f"{cfg.run.rounds} rounds -> {path}")
-                    run_sim(cfg, str(path), resume=resume, progress=progress, overwrite=not resume)
+                    jobs.append(Job(cfg=cfg, out=path, resume=resume, overwrite=not resume,
+                                    label=f"{method} τmax={tau} trial {trial}"))
                 ran.setdefault((method, trial), []).append((tau_i, path))
-                finals.append(curve(path)[1][-1])
-                seeds.append(trial)
-                paths.append(path)
-            if not finals:
-                continue
-            mean, std = mean_std(finals)
-            ours.setdefault(method, {})[str(tau)] = {
-                "mean": round(mean, 2), "std": round(std, 2), "trials": [round(x, 2) for x in finals],
-                "seeds": seeds, "runs": [str(r) for r in paths], "per_run": [run_stats(r) for r in paths]}
-    return ours
+                cell.append((trial, path))
+    return cells, jobs
 
 
 def setup_dict(setup: Setup, taus: list[int], trials: int, root: Path) -> dict:
@@ -318,13 +333,14 @@ def figure(results: dict, methods: list[str], tau: int, out: Path) -> Path:
 
 
 def reproduce_table3(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path, results_dir: Path,
-                     progress: bool = True, log=None, report_only: bool = False) -> dict:
-    ours = run_grid(setup, methods, taus, trials, root, progress, log, report_only)
+                     progress: bool = True, log=None, report_only: bool = False, executor: str = "serial",
+                     stem: str | None = None) -> dict:
+    ours = run_grid(setup, methods, taus, trials, root, progress, log, report_only, executor)
     results = {"paper": PAPER_TABLE3, "ours": ours, "setup": setup_dict(setup, taus, trials, root)}
     if (results_dir / NOTES).exists():
         results["notes"] = NOTES
     results_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_stem(setup.tau_dist)
+    stem = stem or results_stem(setup.tau_dist)
     (results_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     (results_dir / f"{stem}.md").write_text(markdown(results, methods, taus))
     fig_tau = 20 if 20 in taus else taus[0]

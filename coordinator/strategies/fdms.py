@@ -3,6 +3,7 @@ Specification: ../shared/papers/fdms.md §2."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from coordinator.strategies.base import ClientUpdate, State, Strategy
 
 CR_MODES = ("off", "case1", "case2")
+_log = logging.getLogger("dropfl.strategy")
 
 
 class FDMS(Strategy):
@@ -69,6 +71,28 @@ class FDMS(Strategy):
         self.server_lr, self.cr = server_lr, cr
         self.cr_p, self.cr_b_max, self.cr_beta = cr_p, cr_b_max, cr_beta
         self.cr_delta_f, self.cr_horizon = cr_delta_f, cr_horizon
+
+    # The friend log (friends.jsonl in the run directory, docs/run-directory.md): the round loop writes
+    # round_log(...) after every aggregation, so a user can see whether the right friends were found.
+    round_log_file = "friends.jsonl"
+    log_similarity_max = 200   # N above which the N×N matrix is left out of each row (N² floats a round)
+
+    def round_log(self, state: State, t: int, updates: dict[int, ClientUpdate]) -> dict:
+        """This round's active clients, the friend φ(k) each dropped client was substituted by (−1: active, or
+        nobody to substitute in an empty round), and R after the round (R^{kφ(k)} is what φ(k) maximised:
+        a dropped k's row is not updated). Floats are the float32 state values, exactly."""
+        n = state["sim"].shape[0]
+        friend = state["friend"].tolist() if updates else [-1] * n
+        row = {"round": t, "active": sorted(updates), "friend": friend, "pairs": int(state["pairs"])}
+        if n <= self.log_similarity_max:
+            row["similarity"] = state["sim"].tolist()
+        else:
+            if not getattr(self, "_told", False):
+                _log.warning("fdms: friends.jsonl leaves out the %d×%d similarity matrix (more than %d clients); "
+                             "friends are logged", n, n, self.log_similarity_max)
+                self._told = True
+            row["similarity"] = None
+        return row
 
     @classmethod
     def from_config(cls, s) -> FDMS:
