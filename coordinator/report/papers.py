@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import config
-from coordinator.errors import UserError
-from coordinator.report.reproduce import finished, mean_std, run_stats, same_setup
+from coordinator.report.reproduce import mean_std, plan_run, run_stats
 
 HOLDS, FAILS, UNMEASURED = "holds", "DOES NOT HOLD", "not measured"
 
@@ -77,7 +76,6 @@ def plan(preset: Preset, trials: int, root: Path, log, report_only: bool) -> tup
     """cells[(method, setting)] = [(trial, run dir)] and the sweep Jobs still to run; checks every directory
     before anything is written."""
     from coordinator.runsetup import build_availability
-    from coordinator.sim.sweep import Job
     from coordinator.strategies import STRATEGIES
 
     cells: dict[tuple[str, str], list[tuple[int, Path]]] = {}
@@ -97,17 +95,9 @@ def plan(preset: Preset, trials: int, root: Path, log, report_only: bool) -> tup
             cfg = arm.build(trial, path)
             config.validate(cfg, list(STRATEGIES))
             build_availability(cfg)   # an impossible setting (e.g. α too large for the clusters) fails here
-            label = f"{arm.method} {arm.setting} trial {trial}"
-            if not same_setup(path, cfg):
-                raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
-            if finished(path, cfg.run.rounds):
-                log(f"[{k}/{total}] {label}: done already, skipped")
-            elif report_only:
-                log(f"[{k}/{total}] {label}: not finished, left out of the table")
+            if not plan_run(path, cfg, f"{arm.method} {arm.setting} trial {trial}", f"[{k}/{total}]", jobs, log,
+                            report_only):
                 continue
-            else:
-                resume = (path / "checkpoint.pt").exists()
-                jobs.append(Job(cfg=cfg, out=path, resume=resume, overwrite=not resume, label=label))
             planned[path] = True
             cell.append((trial, path))
     return cells, jobs

@@ -157,13 +157,31 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
     return ours
 
 
+def plan_run(path: Path, cfg: config.SimConfig, label: str, prefix: str, jobs: list, log, report_only: bool) -> bool:
+    """One run of a reproduction: refuse a directory with another setup (before anything is written), skip it
+    when finished, leave it out with `report_only`, else append its sweep Job (resumed from its checkpoint if
+    any). Returns whether the run counts in the results (False: left out)."""
+    from coordinator.sim.sweep import Job
+
+    if not same_setup(path, cfg):
+        raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
+    if finished(path, cfg.run.rounds):
+        log(f"{prefix} {label}: done already, skipped")
+    elif report_only:
+        log(f"{prefix} {label}: not finished, left out of the table")
+        return False
+    else:
+        resume = (path / "checkpoint.pt").exists()
+        jobs.append(Job(cfg=cfg, out=path, resume=resume, overwrite=not resume, label=label))
+    return True
+
+
 def plan_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, root: Path, log, report_only: bool,
               ) -> tuple[dict[tuple[str, int], list[tuple[int, Path]]], list]:
     """Decide for each (method, τ, trial) whether it reuses another run, is done, is left out or must run;
     return cells[(method, τ)] = [(trial, run dir)] and the jobs still to run. Raises UserError before
     anything is written if a run directory holds another setup."""
     from coordinator.runsetup import build_availability
-    from coordinator.sim.sweep import Job
     from coordinator.strategies import STRATEGIES
 
     cells: dict[tuple[str, int], list[tuple[int, Path]]] = {}
@@ -188,17 +206,9 @@ def plan_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, ro
                         f"(none reaches {tau}), reusing that run")
                     cell.append((trial, same))
                     continue
-                if not same_setup(path, cfg):
-                    raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
-                if finished(path, cfg.run.rounds):
-                    log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: done already, skipped")
-                elif report_only:
-                    log(f"[{k}/{total}] {method} τmax={tau} trial {trial}: not finished, left out of the table")
+                if not plan_run(path, cfg, f"{method} τmax={tau} trial {trial}", f"[{k}/{total}]", jobs, log,
+                                report_only):
                     continue
-                else:
-                    resume = (path / "checkpoint.pt").exists()
-                    jobs.append(Job(cfg=cfg, out=path, resume=resume, overwrite=not resume,
-                                    label=f"{method} τmax={tau} trial {trial}"))
                 ran.setdefault((method, trial), []).append((tau_i, path))
                 cell.append((trial, path))
     return cells, jobs
