@@ -110,7 +110,7 @@ def serve(steps_in=sys.stdin, out=sys.stdout) -> None:
     w = get_flat(model)
     transport = SimTransport(model, data, "batched")
     round_rate(transport, w, 2)  # start the worker processes
-    import coordinator   # DIR's (sys.path above): the record says which code ran
+    import coordinator  # DIR's (sys.path above): the record says which code ran
     print(f"ready {transport.describe()} ({Path(coordinator.__file__).parent})", file=out, flush=True)
     for line in steps_in:
         print(f"rate {round_rate(transport, w, int(line))}", file=out, flush=True)

@@ -1,0 +1,97 @@
+"""The batched engine's per-step fast paths give the bits of the plain path they replace.
+
+- The SGD update: where every client has one lr and there is no FedProx term and no SCAFFOLD
+  correction, all parameters are updated with one `torch._foreach_add_` call instead of one `add_` per
+  parameter. Same arithmetic per tensor, so the weights must be bitwise equal: a zero SCAFFOLD
+  correction (g + 0 = g) sends the same round through the per-parameter loop.
+- The step tables: each step's index rows, labels, padding weights and batch sizes are sliced from
+  tables built once per `train` call; they must equal, element for element, what the per-step
+  construction gives (written out here as it was).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coordinator.sim import batched
+from coordinator.sim.batched import BatchedEngine, Group
+from edge_client.models import build_model, get_flat
+from edge_client.trainer import TrainTask, batch_plan, client_generator
+
+
+def _data(sizes: list[int], shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.rand(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in sizes]
+
+
+@pytest.mark.parametrize("name", ["mimic-cnn", "fdms-cnn", "mlp"])
+def test_one_sgd_call_gives_the_per_parameter_updates_bits(name: str, monkeypatch) -> None:
+    sizes = [23, 16, 9, 0, 30]   # a smaller last batch, fewer steps, an empty client
+    model = build_model(name, (1, 28, 28), 10, seed=1)
+    w = get_flat(model)
+    engine = BatchedEngine(model, _data(sizes, (1, 28, 28)), workers=0)
+    fast = [TrainTask(client=c, round=1, lr=0.05, batch_size=8, epochs=2, seed=3) for c in range(len(sizes))]
+    zero = torch.zeros_like(w)
+    plain = [TrainTask(client=c, round=1, lr=0.05, batch_size=8, epochs=2, seed=3, grad_correction=zero)
+             for c in range(len(sizes))]
+    calls = []
+    foreach = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda *a, **k: calls.append(1) or foreach(*a, **k))
+    a = engine.run(w, fast)
+    assert calls, "the one-call update did not run"
+    calls.clear()
+    b = engine.run(w, plain)
+    assert not calls, "the per-parameter update did not run"
+    assert [r.steps for r in a] == [r.steps for r in b] and max(r.steps for r in a) > 1
+    for ra, rb in zip(a, b):
+        assert torch.equal(ra.delta, rb.delta)
+        assert ra.loss == rb.loss
+
+
+def _steps_per_step(group: Group, tasks: list[TrainTask], plans: list, data: list[int]):
+    """The per-step construction the step tables replace (batched.py before them), for comparison."""
+    width = max([t.batch_size for t, p in zip(tasks, plans) if p], default=1)
+    padded = []
+    for d, plan in zip(data, plans):
+        if not plan:
+            padded.append((torch.zeros(0, width, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
+            continue
+        n = torch.tensor([len(b) for b in plan])
+        rows = torch.nn.utils.rnn.pad_sequence(plan, batch_first=True, padding_value=-1)
+        if rows.shape[1] < width:
+            rows = F.pad(rows, (0, width - rows.shape[1]), value=-1)
+        rows = torch.where(rows < 0, rows[:, :1], rows) + group.offsets[d]
+        padded.append((rows, n))
+    n_steps = [len(p) for p in plans]
+    for j in range(max(n_steps, default=0)):
+        k = sum(1 for n in n_steps if n > j)
+        rows = torch.stack([padded[i][0][j] for i in range(k)])
+        sizes = [int(padded[i][1][j]) for i in range(k)]
+        weight = (torch.arange(width).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)).to(group.x_all.dtype)
+        yield k, rows, group.y_all[rows], weight, sizes
+
+
+def test_step_tables_equal_the_per_step_construction() -> None:
+    sizes = [21, 8, 0, 13, 5]
+    data = _data(sizes, (1, 28, 28))
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    model = build_model("mlp", (1, 28, 28), 10, seed=1)
+    group = Group(model, torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]), offsets, sizes)
+    tasks = [TrainTask(client=0, round=0, lr=0.1, batch_size=4, epochs=2, seed=2),
+             TrainTask(client=1, round=0, lr=0.1, batch_size=4, steps=5, seed=2),
+             TrainTask(client=2, round=0, lr=0.1, batch_size=4, epochs=1, seed=2),
+             TrainTask(client=3, round=0, lr=0.1, batch_size=3, epochs=1, seed=2),
+             TrainTask(client=4, round=0, lr=0.1, batch_size=4, steps=1, seed=2)]
+    plans = [batch_plan(sizes[t.client], t, client_generator(t.seed, t.round, t.client)) for t in tasks]
+    order = sorted(range(len(tasks)), key=lambda i: -len(plans[i]))   # as `Group._train` sorts them
+    tasks, plans = [tasks[i] for i in order], [plans[i] for i in order]
+    data_idx = [t.client for t in tasks]
+    got = list(group._steps(tasks, plans, data_idx))
+    want = list(_steps_per_step(group, tasks, plans, data_idx))
+    assert len(got) == len(want) == max(len(p) for p in plans)
+    for step, (k, rows, y, weight, n) in zip(got, want):
+        assert isinstance(step, batched._Step) and step.k == k and step.sizes == n
+        assert torch.equal(step.rows, rows) and torch.equal(step.y, y) and torch.equal(step.weight, weight)
+        assert torch.equal(step.size, torch.tensor(n, dtype=group.x_all.dtype))
