@@ -11,6 +11,7 @@ on the device side: edge_client never imports coordinator).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -34,3 +35,17 @@ def cuda_deterministic() -> None:
 
 def is_cuda(device: str | torch.device | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
+
+
+@contextlib.contextmanager
+def settings_restored():
+    """Run a block, then put back the process-wide settings `cuda_deterministic` changes (TF32, cuDNN,
+    deterministic algorithms): for tests and callers that must leave the process as they found it."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+             torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())
+    try:
+        yield
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+         torch.backends.cudnn.deterministic) = saved[:4]
+        torch.use_deterministic_algorithms(saved[4])

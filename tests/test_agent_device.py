@@ -23,7 +23,7 @@ import torch
 
 from coordinator.field import checks
 from edge_client import agent as ag
-from edge_client import datasets, feddd, wire
+from edge_client import datasets, determinism, feddd, wire
 from edge_client.agent import device as dev
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask, local_train
@@ -37,12 +37,8 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
 @pytest.fixture(autouse=True)
 def _restore_global_settings():
     """`resolve('cuda')` sets process-wide deterministic settings; give the next test the ones it had."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-             torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())
-    yield
-    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-     torch.backends.cudnn.deterministic) = saved[:4]
-    torch.use_deterministic_algorithms(saved[4])
+    with determinism.settings_restored():
+        yield
 
 
 # --- everywhere ---

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from coordinator.sim.batched import BatchedEngine
+from edge_client import determinism
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask, local_train
 
@@ -35,12 +36,8 @@ SHAPE = (1, 28, 28)
 @pytest.fixture(autouse=True, scope="module")
 def _restore_global_settings():
     """The engine's settings are process-wide; give the next test module the ones it had."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-             torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())
-    yield
-    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-     torch.backends.cudnn.deterministic) = saved[:4]
-    torch.use_deterministic_algorithms(saved[4])
+    with determinism.settings_restored():
+        yield
 
 
 def make_data(sizes: list[int], dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
