@@ -78,8 +78,11 @@ def test_trial_five_agents_three_rounds_replays_to_the_same_model(tmp_path, fmni
 
 def test_trial_stops_everything_on_ctrl_c(tmp_path):
     out = tmp_path / "interrupted"
+    # SIGINT as a terminal's foreground process has it: a test run started in the background by a shell without job
+    # control inherits SIGINT ignored, and Python then keeps ignoring it (the trial would never see the Ctrl-C)
     trial = subprocess.Popen(CLI + ["trial", "--agents", "2", "--rounds", "1000", "--model", "logreg", "--steps", "2",
-                                    "--out", str(out)], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                    "--out", str(out)], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     port = None
     for line in trial.stderr:
         if line.startswith("[trial] broker "):
