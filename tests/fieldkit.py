@@ -113,6 +113,13 @@ NEEDS_MOSQUITTO = [pytest.mark.mosquitto,
                    pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
                                       reason="needs the mosquitto broker (apt-get install mosquitto)")]
 
+
+def needs_mosquitto(test):
+    """NEEDS_MOSQUITTO on one test function (a whole module says `pytestmark = NEEDS_MOSQUITTO`)."""
+    for mark in NEEDS_MOSQUITTO:
+        test = mark(test)
+    return test
+
 _load = datasets.load
 _cached_load = functools.lru_cache(maxsize=1)(_load)
 

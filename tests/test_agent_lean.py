@@ -7,6 +7,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+from test_field_agent import offline_agent
 
 from edge_client import agent as ag
 from edge_client import datasets, federation, wire
@@ -47,24 +48,8 @@ def test_the_agents_shard_equals_the_full_loads_rows_bitwise(fmnist, partition, 
     assert np.array_equal(ty, fmnist.test.y[tidx].numpy())
 
 
-class Published:
-    def wait_for_publish(self, timeout=None):
-        pass
-
-    def is_published(self):
-        return True
-
-
 def _agent(tmp_path, monkeypatch, **agent):
-    cfg = ag.config_from_dict({"agent": {"client": 1, "out": str(tmp_path), "eval_batch": 100} | agent,
-                               "battery": {"source": "mains"},
-                               "data": {"clients": 4, "partition": "iid", "seed": 2}, "model": {"model": "logreg"}})
-    a = ag.Agent(cfg)
-    sent: list[tuple[str, bytes]] = []
-    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
-                        sent.append((topic, payload)) or Published())
-    a.connected.set()
-    return a, sent
+    return offline_agent(tmp_path, monkeypatch, {"source": "mains"}, agent={"eval_batch": 100} | agent)
 
 
 def _onnx(model, w, rnd):

@@ -99,9 +99,13 @@ class Published:
         return True
 
 
-def offline_agent(tmp_path, monkeypatch, battery: dict):
-    cfg = ag.config_from_dict({"agent": {"client": 1, "out": str(tmp_path)}, "battery": battery,
-                               "data": {"clients": 4, "partition": "iid", "seed": 2}, "model": {"model": "logreg"}})
+def offline_agent(tmp_path, monkeypatch, battery: dict | None = None, agent: dict | None = None, **sections):
+    """Client 1 of 4 (iid, logreg) with no broker: publishes go to the returned list. `agent` adds [agent] keys,
+    `sections` replace whole sections (policy, telemetry, ...); the battery is mains unless given."""
+    cfg = ag.config_from_dict({"agent": {"client": 1, "out": str(tmp_path)} | (agent or {}),
+                               "battery": battery or {"source": "mains"},
+                               "data": {"clients": 4, "partition": "iid", "seed": 2}, "model": {"model": "logreg"}}
+                              | sections)
     a = ag.Agent(cfg)
     sent: list[tuple[str, bytes]] = []
     monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:

@@ -265,19 +265,9 @@ def test_thermal_policy_is_off_by_default_and_checked_last():
 
 
 def offline_agent(tmp_path, monkeypatch, **sections):
-    from test_field_agent import Published
+    from test_field_agent import offline_agent as agent_without_broker
 
-    import edge_client.agent as ag
-
-    cfg = ag.config_from_dict({"agent": {"client": 1, "out": str(tmp_path / "out")}, "battery": {"source": "mains"},
-                               "data": {"clients": 4, "partition": "iid", "seed": 2}, "model": {"model": "logreg"}}
-                              | sections)
-    a = ag.Agent(cfg)
-    sent: list[tuple[str, bytes]] = []
-    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
-                        sent.append((topic, payload)) or Published())
-    a.connected.set()
-    return a, sent
+    return agent_without_broker(tmp_path, monkeypatch, agent={"out": str(tmp_path / "out")}, **sections)
 
 
 TASK = {"lr": 0.1, "batch_size": 8, "steps": 1, "seed": 2}

@@ -3,10 +3,10 @@ own readers and compared with metrics.jsonl and config.json, also across --resum
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
+from fieldkit import needs_mosquitto
 
 from coordinator import tracking
 from coordinator.cli import build_parser, main
@@ -171,13 +171,12 @@ def test_config_file_section(tmp_path):
 
 
 @pytest.mark.slow
+@needs_mosquitto
 def test_trial_tracks_through_its_coordinator_and_is_quiet(tmp_path):
     """A trial hands --track to its coordinator (through trial-config.json); --quiet leaves stderr empty."""
     import subprocess
     import sys
 
-    if shutil.which("mosquitto") is None:
-        pytest.skip("needs mosquitto")
     run = tmp_path / "trial"
     p = subprocess.run([sys.executable, "-m", "coordinator.cli", "trial", "--agents", "2", "--rounds", "2",
                         "--model", "logreg", "--steps", "1", "--deadline", "20", "--track", "tensorboard,mlflow",
