@@ -70,7 +70,7 @@ class PowerSensor:
     kind: str       # "power" or "counter"
 
     def read(self) -> float | None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: every sensor kind below reads its own files
 
 
 class Ina3221Iio(PowerSensor):
