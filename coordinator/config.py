@@ -182,6 +182,9 @@ class StrategyConfig:
                                          "(N > 200 at worst, e.g. 0 for N > 20000)")
     mifa_wait_all: bool = opt(False, "mifa: no model update until every client has uploaded once (MIFA's code); "
                                      "a no-op when round 0 has everyone (--first-round-all)")
+    mifa_storage: str = opt("raw", "mifa: stored latest updates, raw = deltas in the lr scale of their round "
+                                   "(MimiC's released code), lr-normalised = delta/lr and the current lr applied "
+                                   "to the average (delta units only; docs/strategies.md)", ["raw", "lr-normalised"])
     beta: float = opt(0.1, "fedlaavg: fraction β of clients selected per round, K = βN (oldest first)",
                       gt=0, maximum=1)
     fedlaavg_storage: str = opt("raw", "fedlaavg: stored latest updates, raw = deltas (same as the paper's constant "
@@ -390,6 +393,9 @@ def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = 
         (cfg.availability.kind != "replay" or cfg.availability.trace, "--trace is required with --availability replay"),
         (cfg.availability.kind != "device-trace" or cfg.availability.device_trace,
          "--device-trace is required with --availability device-trace"),
+        (cfg.strategy.mifa_storage == "raw" or cfg.strategy.units == "delta",
+         f"strategy.mifa_storage {cfg.strategy.mifa_storage} needs strategy.units delta (gradient units already "
+         f"divide by the lr) {got('strategy.units', cfg.strategy.units)}: use --units delta or --mifa-storage raw"),
     ]
     for ok, msg in checks:
         if not ok:

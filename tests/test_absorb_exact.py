@@ -41,10 +41,11 @@ def run(out, absorbs: bool, *args: str) -> dict:
             "participation": (out / "participation.csv").read_text(), "reports": (out / "reports.jsonl").read_text()}
 
 
-@pytest.mark.parametrize("store", ["memory", "disk"])
-def test_absorbing_mifa_updates_gives_the_same_run(base, store):
-    on = run(base / f"on-{store}", True, "--state-store", store)
-    off = run(base / f"off-{store}", False, "--state-store", store)
+@pytest.mark.parametrize("store, storage", [("memory", "raw"), ("disk", "raw"), ("memory", "lr-normalised")])
+def test_absorbing_mifa_updates_gives_the_same_run(base, store, storage):
+    args = ("--state-store", store, "--mifa-storage", storage)
+    on = run(base / f"on-{store}-{storage}", True, *args)
+    off = run(base / f"off-{store}-{storage}", False, *args)
     assert on["absorbed"] == sum(m["participants"] for m in on["metrics"]) > N  # every update, round 0 all N
     assert off["absorbed"] == 0
     assert {k: v for k, v in on.items() if k != "absorbed"} == {k: v for k, v in off.items() if k != "absorbed"}

@@ -112,6 +112,66 @@ def test_fedlaavg_storage_from_config_and_the_bound_schedule():
         FedLaAvg(storage="scaled")
 
 
+# ---------------------------------------------------------------- MIFA lr-normalised storage
+
+
+def test_mifa_lr_normalised_by_hand():
+    """N = 2, exact 1/N, w0 = 0, schedule η = 0.5, 0.25, 0.25.
+    lr-normalised: G_i = d_i/η_i, w ← w − η_t·mean(G)
+      r0: G0 = [1,0]/0.5 = [2,0], G1 = [0,1]/0.5 = [0,2]; v = [1,1], step 0.5   w = [−0.5, −0.5]
+      r1: nobody; v = [1,1], step 0.25                                           w = [−0.75, −0.75]
+      r2: G0 = [0.5,0.5]/0.25 = [2,2]; v = [1,2], step 0.25                      w = [−1, −1.25]
+    raw (MimiC's code): v = [0.5,0.5], [0.5,0.5], [0.25,0.75] → [−0.5,−0.5], [−1,−1], [−1.25,−1.75]:
+    the stale delta of client 1, trained at η 0.5, keeps its full size after the lr halves."""
+    sched = [0.5, 0.25, 0.25]
+    rounds = [({0: [1.0, 0.0], 1: [0.0, 1.0]}, 0.5), ({}, 0.25), ({0: [0.5, 0.5]}, 0.25)]
+    for storage, want in [("lr-normalised", [[-0.5, -0.5], [-0.75, -0.75], [-1.0, -1.25]]),
+                          ("raw", [[-0.5, -0.5], [-1.0, -1.0], [-1.25, -1.75]])]:
+        s = MIFA(round_weights=False, storage=storage, lr_at=lambda t: sched[t])
+        w = torch.zeros(2)
+        state = s.init_state(2, w)
+        for t, ((ups, lr), expect) in enumerate(zip(rounds, want)):
+            w, state = s.aggregate(state, t, w, {i: upd(i, d, lr=lr) for i, d in ups.items()})
+            assert close(w, expect), (storage, t, w)
+        assert ("lr" in state) == (storage == "lr-normalised")   # the raw default's state is as before
+        if storage == "lr-normalised":
+            assert float(state["lr"][0]) == 0.25                    # the last η_t applied
+
+
+def test_mifa_storages_agree_at_a_constant_lr_and_the_option_is_checked():
+    rng = np.random.default_rng(2)
+    rounds = [{int(i): rng.normal(size=3).tolist() for i in rng.choice(4, 2, replace=False)} for _ in range(6)]
+    raw, _ = run(MIFA(), 4, rounds)   # strategy_helpers.upd: lr 0.1 for every update
+    norm, _ = run(MIFA(storage="lr-normalised", lr_at=lambda t: 0.1), 4, rounds)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(raw, norm))
+    # without a schedule: this round's updates' lr, else the last one used
+    s = MIFA(round_weights=False, storage="lr-normalised")
+    w = torch.zeros(1)
+    state = s.init_state(1, w)
+    w, state = s.aggregate(state, 0, w, {0: upd(0, [1.0], lr=0.5)})   # G = 2, step 0.5·2 = 1
+    w, state = s.aggregate(state, 1, w, {})                            # last lr 0.5 again
+    assert close(w, [-2.0])
+    with pytest.raises(ValueError, match="storage"):
+        MIFA(storage="scaled")
+    with pytest.raises(ValueError, match="units 'delta'"):
+        MIFA(units="gradient", storage="lr-normalised")
+    cfg = SimConfig()
+    cfg.strategy.algo, cfg.strategy.mifa_storage = "mifa", "lr-normalised"
+    cfg.train.lr, cfg.train.lr_decay = 0.2, 0.5
+    s = build_strategy(cfg)
+    assert s.storage == "lr-normalised" and s.lr_at(2) == loop_config(cfg).lr_at(2) == pytest.approx(0.05)
+    assert MIFA.from_config(StrategyConfig()).storage == "raw"   # default: MimiC's released code, runs unchanged
+
+
+def test_mifa_lr_normalised_with_gradient_units_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["sim", "--algo", "mifa", "--units", "gradient", "--mifa-storage", "lr-normalised",
+                 "--out", str(out)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dropfl: error: strategy.mifa_storage lr-normalised needs strategy.units delta")
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- MIFA wait-all
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -40,13 +41,24 @@ class MIFA(Strategy):
             rounding is meaningless (|N·round(1/N, 4) − 1| > ROUND_WEIGHTS_REL_TOL = 1%, e.g. N ≥ 20 001
             where it is 0) the exact 1/N is used and a warning is logged once ("dropfl.strategy").
         global_lr, global_lr_decay: units="gradient" only, as in `MimiC`.
+        storage: what the table holds with units="delta" (with "gradient" only "raw" is allowed):
+            "raw" (default; MimiC's released code): G_i = d_i, the delta in the lr scale of the round it was
+            trained in, and w ← w − v_t. Under a decaying lr a stored delta from an early round then outweighs
+            fresh ones (0.01 against 0.01·0.95^t), and after the lr's floor the table's stale rows move the
+            model by the same vector every round until their clients return.
+            "lr-normalised": G_i = d_i / η_i (η_i the lr client i trained with) and w ← w − η_t v_t, η_t the
+            current round's lr (the run's schedule, `lr_at`), also in a round without uploads: every stored
+            update counts in the current lr's scale, as FedLaAvg's released code keeps its table
+            (`FedLaAvg(storage="lr-normalised")`). With a constant lr both give the same models.
+        lr_at: the run's local lr schedule t → η_t, for "lr-normalised" (`runsetup.build_strategy` binds the
+            loop's); without one, η_t is this round's updates' lr, or the last one used when none arrived.
         wait_all: False (default; MimiC's MIFA, and a no-op whenever round 0 has everyone, --first-round-all)
             or True, MIFA's own code and Algorithm 1's "every device participates in the first round": the
             updates are stored, but the model is not updated (w_{t+1} = w_t) until every client has uploaded at
             least once; from the round in which the last first upload arrives the rule above runs every round.
             The waiting rounds count as rounds (the lr schedule, e.g. MIFA's lr_0/(t+1), advances through them).
 
-    State: "latest", float32 [N, M], row i = G_i. Updated in place (a sim with N = 10 000 clients of a
+    State: "latest", float32 [N, M], row i = G_i (with "lr-normalised" also "lr" float64 [1], the last η_t). Updated in place (a sim with N = 10 000 clients of a
     7,850-parameter model holds 314 MB here, and nothing else of that size), in the run's state store
     (--state-store: RAM or a file of the run directory). The sum over all N rows is `row_sum`'s, in fixed
     blocks of rows: exactly latest.sum(0) while N fits one block, and O(N) row reads per round either way.
@@ -57,9 +69,17 @@ class MIFA(Strategy):
     tables = ("latest",)
     absorbs = True  # an update only replaces its client's row: written as it arrives (Strategy.absorb)
 
+    STORAGES = ("raw", "lr-normalised")
+
     def __init__(self, *, units: str = "delta", round_weights: bool = True, global_lr: float = 0.01,
-                 global_lr_decay: float = 0.95, wait_all: bool = False):
+                 global_lr_decay: float = 0.95, wait_all: bool = False, storage: str = "raw",
+                 lr_at: Callable[[int], float] | None = None):
         self.units = check_units(units)
+        if storage not in self.STORAGES:
+            raise ValueError(f"storage must be one of {', '.join(self.STORAGES)} (got {storage!r})")
+        if storage != "raw" and self.units != "delta":
+            raise ValueError(f"storage {storage!r} needs units 'delta' (gradient units already divide by the lr)")
+        self.storage, self.lr_at = storage, lr_at
         self.round_weights, self.global_lr, self.global_lr_decay = round_weights, global_lr, global_lr_decay
         self.wait_all = wait_all
         self._warned = False  # the fallback warning is logged once per instance
@@ -67,13 +87,24 @@ class MIFA(Strategy):
     @classmethod
     def from_config(cls, s) -> MIFA:
         return cls(units=s.units, round_weights=s.mifa_round_weights, global_lr=s.global_lr,
-                   global_lr_decay=s.global_lr_decay, wait_all=s.mifa_wait_all)
+                   global_lr_decay=s.global_lr_decay, wait_all=s.mifa_wait_all, storage=s.mifa_storage)
+
+    def bind_lr_schedule(self, lr_at: Callable[[int], float]) -> None:
+        """The run's local lr schedule (the loop's `lr_at`): the lr applied to the average in "lr-normalised"."""
+        self.lr_at = lr_at
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
         state = {"latest": self.table("latest", n_clients, w0.numel())}
         if self.wait_all:
             state["seen"] = torch.zeros(n_clients, dtype=torch.bool)
+        if self.storage == "lr-normalised":
+            state["lr"] = torch.zeros(1, dtype=torch.float64)  # the last η_t applied (0: none yet)
         return state
+
+    def stored(self, u: ClientUpdate) -> torch.Tensor:
+        """G_i for an upload: the raw update in the chosen units, divided by its lr with "lr-normalised"."""
+        g = raw_update(u, self.units)
+        return g / u.lr if self.storage == "lr-normalised" else g
 
     def weight(self, n: int) -> float:
         """Per-client weight: code round(1/N, 4) (mimic.md §3) while it stays within 1% of the paper's 1/N."""
@@ -90,19 +121,33 @@ class MIFA(Strategy):
         return 1 / n
 
     def absorb(self, state: State, t: int, u: ClientUpdate) -> None:
-        state["latest"][u.client] = raw_update(u, self.units)  # G_i ← ĝ_i(w_t), as `aggregate` would write it
+        state["latest"][u.client] = self.stored(u)  # G_i ← ĝ_i(w_t), as `aggregate` would write it
 
     def aggregate(self, state: State, t: int, w: torch.Tensor,
                   updates: dict[int, ClientUpdate]) -> tuple[torch.Tensor, State]:
         latest = state["latest"]
         for i, u in updates.items():
             if u.delta is not None:  # None: already written by `absorb`
-                latest[i] = raw_update(u, self.units)  # MIFA: G_i ← ĝ_i(w_t) for i ∈ S_t, kept otherwise
+                latest[i] = self.stored(u)  # MIFA: G_i ← ĝ_i(w_t) for i ∈ S_t, kept otherwise
         if self.wait_all:
             seen = state["seen"]
             seen[list(updates)] = True
             if not bool(seen.all()):
                 return w, state  # MIFA code: no update until every device has taken part once
         v = row_sum(latest) * self.weight(latest.shape[0])  # MIFA: v_t = (1/N) Σ_{i=1}^N G_i (blocks of rows)
-        step = global_step(self.units, t, 1.0, self.global_lr, self.global_lr_decay)
+        if self.storage == "lr-normalised":
+            step = self._lr(state, t, updates)   # the current round's lr on the lr-normalised average
+        else:
+            step = global_step(self.units, t, 1.0, self.global_lr, self.global_lr_decay)
         return w - step * v, state  # w_{t+1} = w_t − η_t v_t
+
+    def _lr(self, state: State, t: int, updates: dict[int, ClientUpdate]) -> float:
+        """η_t for "lr-normalised": the bound schedule's; else this round's updates' lr; else the last one."""
+        if self.lr_at is not None:
+            lr = float(self.lr_at(t))
+        elif updates:
+            lr = float(next(iter(updates.values())).lr)
+        else:
+            lr = float(state["lr"][0])
+        state["lr"][0] = lr
+        return lr
