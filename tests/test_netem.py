@@ -5,6 +5,7 @@ limit really limits a transfer through the veth, and that a trace's outage produ
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -12,11 +13,12 @@ import threading
 import time
 
 import pytest
-from fieldkit import CLI, ROOT, Watcher, kill_group
+from fieldkit import CLI, ROOT, Watcher, kill_group, participants
 
 from coordinator.availability.participation import read_rows
 from coordinator.errors import UserError
 from coordinator.field import netem
+from coordinator.rundir import read_metrics
 from coordinator.trial.broker import Mosquitto
 
 
@@ -164,3 +166,105 @@ def test_trace_outage_drops_the_agent_as_offline_or_deadline(tmp_path):
     assert agent1[-1] == ("unavailable", "offline")  # the link never came back
     assert all(reason in ("", "offline", "deadline") for _, reason in agent1)
     assert all(r["status"] == "participated" for r in rows if r["client"] == "0")
+
+
+# --- resuming a trial with emulated links: the trace goes on where it stopped ---
+
+
+def test_the_clock_starts_at_a_trace_time_and_catches_up_in_order(monkeypatch):
+    """start_clock(from_s): the events before from_s are applied at once, in trace order, and recorded at
+    about from_s; the later ones wait for their time (no root: `apply` is recorded instead of run)."""
+    plan = netem.LinkPlan([1e5, 1e5], [1e6, 1e6], [True, True],
+                          [netem.LinkEvent(1.0, 0, up_Bps=2e5), netem.LinkEvent(2.0, 1, online=False),
+                           netem.LinkEvent(3600.0, 0, online=False)])
+    done: list[netem.LinkEvent] = []
+    monkeypatch.setattr(netem.Links, "apply", lambda self, e: done.append(e))
+    links = netem.Links(plan)
+    assert links.trace_time() is None
+    links.start_clock(from_s=50.0)
+    deadline = time.monotonic() + 10
+    while len(done) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done == plan.events[:2]                                   # the past, in order; not the 1-hour event
+    assert [round(at) for at, _ in links.applied] == [50, 50] and links.clock_from_s == 50.0
+    assert 50.0 <= links.trace_time() < 60.0
+    links._stop.set()
+
+
+def test_the_links_record_keeps_every_session(tmp_path):
+    from coordinator.trial.run import _links_record, _write_links_record
+
+    class Net:  # what _write_links_record reads of a Links
+        def __init__(self, plan, applied, from_s, now):
+            self.plan, self.applied, self.clock_from_s, self._now = plan, applied, from_s, now
+
+        def trace_time(self):
+            return self._now
+
+    plan = netem.LinkPlan([1e5], [1e6], [True], [netem.LinkEvent(1.0, 0, online=False)])
+    assert _links_record(tmp_path) == {}
+    _write_links_record(tmp_path, Net(plan, [(1.01, plan.events[0])], 0.0, 12.5), {})
+    first = _links_record(tmp_path)
+    assert first["clock_s"] == 12.5 and first["sessions"] == [{"from_s": 0.0, "to_s": 12.5}]
+    _write_links_record(tmp_path, Net(plan, [(12.5, plan.events[0])], 12.5, 20.0), first)
+    both = json.loads((tmp_path / "links.json").read_text())
+    assert both["sessions"] == [{"from_s": 0.0, "to_s": 12.5}, {"from_s": 12.5, "to_s": 20.0}]
+    assert [a["at_s"] for a in both["applied"]] == [1.01, 12.5] and both["clock_s"] == 20.0
+    assert both["agents"] == plan.to_json()["agents"] and not (tmp_path / "links.json.tmp").exists()
+    (tmp_path / "links.json").write_text("{not json")
+    with pytest.raises(UserError, match="links.json is damaged"):
+        _links_record(tmp_path)
+
+
+@needs_netns
+def test_trial_resume_with_links_goes_on_with_the_trace(tmp_path):
+    """A trial behind emulated links loses its broker after round 1 and stops (exit 1); `dropfl trial
+    --resume` builds the links again and goes on with the trace from the time the first session reached:
+    the agent-1 rate change at trace time 1 s is in force again (applied at once), the 1-hour outage is still
+    ahead, the record keeps both sessions, and the run finishes all its rounds with everyone."""
+    from test_field_outage import _broker_of, _trial_cmd, model_of_round
+
+    trace = tmp_path / "links.csv"
+    trace.write_text("device,t_s,online,battery_pct,charging,uplink_Bps,downlink_Bps\n"
+                     + "".join(f"client-{i},0,1,,,2000000,2000000\n" for i in range(3))
+                     + "client-1,1,,,,1000000,\nclient-0,3600,0,,,,\n")
+    out = tmp_path / "run"
+    trial = subprocess.Popen(_trial_cmd(out, "--links", str(trace), "--broker-outage-timeout", "3"), cwd=ROOT,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        port, seen = None, []
+        for line in trial.stderr:
+            seen.append(line)
+            if "broker mqtt://" in line:
+                port = int(line.rsplit(":", 1)[1])
+                break
+        assert port is not None, "".join(seen)
+        mosquitto = _broker_of(trial)
+        watcher = Watcher(port)
+        try:
+            watcher.wait_for(model_of_round("run-", 2), timeout=120)  # rounds 0 and 1 are done
+        finally:
+            watcher.close()
+        os.kill(mosquitto.pid, signal.SIGKILL)
+        rest = trial.stderr.read()
+        assert trial.wait(timeout=120) == 1, rest
+    finally:
+        kill_group(trial, signal.SIGTERM)
+    first = json.loads((out / "links.json").read_text())
+    assert len(first["sessions"]) == 1 and first["clock_s"] > 1.0
+    assert [(a["agent"], a["up_Bps"]) for a in first["applied"]] == [(1, 1000000.0)]
+
+    resumed = subprocess.run(CLI + ["trial", "--resume", str(out), "--no-progress"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + (out / "coordinator.log").read_text()[-3000:]
+    rec = json.loads((out / "links.json").read_text())
+    s1, s2 = rec["sessions"]
+    assert s1 == first["sessions"][0] and s2["from_s"] == first["clock_s"] and rec["clock_s"] == s2["to_s"]
+    assert rec["applied"][0] == first["applied"][0]                        # the first session's record is kept
+    again = rec["applied"][1:]
+    assert [(a["agent"], a["up_Bps"]) for a in again] == [(1, 1000000.0)]  # in force again, at once
+    assert abs(again[0]["at_s"] - first["clock_s"]) < 5
+    rounds = [m["round"] for m in read_metrics(out / "metrics.jsonl")]
+    assert rounds == [0, 1, 2, 3]
+    assert {t for t, who in participants(out / "participation.csv").items() if who == {0, 1, 2}} == {0, 1, 2, 3}
+    assert netem.namespaces() == []

@@ -207,7 +207,9 @@ class Links:
             raise UserError(f"--links: 1..{MAX_AGENTS} agents, got {self.n}")
         self.tag = str(os.getpid())
         self.created: list[str] = []
-        self.applied: list[tuple[float, LinkEvent]] = []  # (seconds since start_clock, event) as applied
+        self.applied: list[tuple[float, LinkEvent]] = []  # (trace time, event) as applied
+        self._t0: float | None = None    # monotonic time of trace time 0 (start_clock)
+        self.clock_from_s = 0.0          # the trace time start_clock started at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -270,11 +272,16 @@ class Links:
         if e.online is not None:
             self.set_online(e.agent, e.online)
 
-    def start_clock(self) -> None:
-        """Apply the plan's events at their trace times from now on (a daemon thread)."""
-        if not self.plan.events or self._thread is not None:
+    def start_clock(self, from_s: float = 0.0) -> None:
+        """Apply the plan's events at their trace times from now on (a daemon thread), now being trace time
+        `from_s` (a resumed trial goes on where the interrupted one stopped): events before it are applied
+        at once, in order, so the links start in the state the trace gives them at `from_s`."""
+        if self._thread is not None or self._t0 is not None:
             return
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic() - from_s
+        self.clock_from_s = from_s
+        if not self.plan.events:
+            return
 
         def run() -> None:
             for e in self.plan.events:
@@ -288,6 +295,10 @@ class Links:
 
         self._thread = threading.Thread(target=run, name="link-trace", daemon=True)
         self._thread.start()
+
+    def trace_time(self) -> float | None:
+        """Seconds of trace time reached (None before start_clock)."""
+        return None if self._t0 is None else time.monotonic() - self._t0
 
     def teardown(self) -> None:
         self._stop.set()

@@ -163,6 +163,7 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
         raise UserError("--broker-dir cannot be combined with --links (the provisioned broker's listener is its own)")
     tls = device_agent_keys(broker_dir, n) if broker_dir else None  # agent i: device client-<i>'s bundle keys
     net = Links(load_links(links, n)) if links else None  # link emulation (coordinator/field/netem.py)
+    links_before = _links_record(out) if net and resume else {}  # the interrupted sessions' link record
     out.mkdir(parents=True, exist_ok=True)
     if overwrite and not resume:
         _remove_trial_files(out)
@@ -210,8 +211,8 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
                                          stderr=None if progress else subprocess.STDOUT, start_new_session=True)
                 procs.append(coord)
-                if net:
-                    net.start_clock()  # trace time 0 = the coordinator's start
+                if net:  # trace time 0 = the first session's coordinator start; a resumed trial goes on from
+                    net.start_clock(links_before.get("clock_s", 0.0))  # the trace time the last one reached
                 log.info("started %d agents and the coordinator; logs in %s", n, out)
                 rc = coord.wait()
                 if rc != 0:
@@ -225,8 +226,7 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
             finally:
                 _stop_all(procs)
                 if net:
-                    (out / "links.json").write_text(json.dumps(net.plan.to_json() | {"applied": [
-                        {"at_s": at} | vars(e) for at, e in net.applied]}, indent=1) + "\n")
+                    _write_links_record(out, net, links_before)
     finally:
         _stop_all(procs)
         for f in logs:
@@ -234,6 +234,38 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
         signal.signal(signal.SIGTERM, old)
     merge_traces(out)
     return summarize(out)
+
+
+def _links_record(out: Path) -> dict:
+    """RUN/links.json of the sessions before a resume: {} if none; a record from before dropfl kept the trace
+    clock (no "clock_s") resumes the trace at 0, as that session did, and says so."""
+    path = out / "links.json"
+    if not path.is_file():
+        return {}
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--resume {out}: {path} is damaged ({type(e).__name__}); restore it, or move it away to "
+                        f"start the link trace again at 0") from None
+    if "clock_s" not in rec:
+        log.warning("%s has no trace clock (written before dropfl kept one): the link trace starts again at 0", path)
+    return rec
+
+
+def _write_links_record(out: Path, net, before: dict) -> None:
+    """RUN/links.json: the plan, every event applied in every session (trace time `at_s`), each session's span
+    of trace time, and `clock_s`, the trace time reached, where `dropfl trial --resume` goes on. Nothing of
+    an earlier session is dropped; written whole, then renamed (a crash leaves the old record)."""
+    now = net.trace_time()
+    sessions = before.get("sessions", [])
+    if now is not None:
+        sessions = sessions + [{"from_s": round(net.clock_from_s, 3), "to_s": round(now, 3)}]
+    rec = net.plan.to_json() | {
+        "applied": before.get("applied", []) + [{"at_s": at} | vars(e) for at, e in net.applied],
+        "sessions": sessions, "clock_s": round(now, 3) if now is not None else before.get("clock_s", 0.0)}
+    tmp = out / "links.json.tmp"
+    tmp.write_text(json.dumps(rec, indent=1) + "\n")
+    tmp.replace(out / "links.json")
 
 
 def _resume_hint(out: Path) -> str:
