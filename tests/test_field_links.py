@@ -215,6 +215,52 @@ def test_a_rejoin_publishes_the_model_only_on_the_rejoining_agents_topic(tmp_pat
     assert sum(b for t, b in published[:first] if t == "model/weights") > 4 * n  # the round's one broadcast
 
 
+def test_a_burst_of_messages_does_not_rescan_the_round_for_each(tmp_path, monkeypatch):
+    """Every message wakes the round loop; its pass over all selected clients runs at most once per
+    SCAN_EVERY_S (it was once per message: O(K²) a round). 2,000 heartbeats in a burst, at most one pass per
+    message cost before: a pass per wake would be ~2,000; the throttle gives about one per 50 ms of the burst.
+    The round still closes on its last message with every update."""
+    from coordinator.field import transport as tr
+
+    model = build_model("logreg", (1, 28, 28), 10, 0)
+    n = sum(p.numel() for p in model.parameters())
+    hub = make_hub(tmp_path)
+    hub.num_params, hub.max_update_bytes = n, 8 * n + 64 * 1024
+    published: list[str] = []
+    hub.publish_frames = lambda topic, frames: published.append(topic)
+    transport = MqttTransport(hub, model, (1, 28, 28), tmp_path / "model.onnx")
+    w = get_flat(model)
+    tasks = [TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)]
+    out = {}
+    th = threading.Thread(target=lambda: out.update(result=transport.run_round(0, w, tasks)))
+    th.start()
+    deadline = time.monotonic() + 60
+    while "model/onnx" not in published and time.monotonic() < deadline:
+        time.sleep(0.01)
+    hb = wire.encode("heartbeat", "", -1, 0, meta={"available": True, "reason": None})[0]
+    beats, start = 2000, time.monotonic()
+    for _ in range(beats):
+        with hub.cond:
+            hub._dispatch("d0", "heartbeat", hb, False)
+            hub.cond.notify_all()
+        time.sleep(0)   # let the round loop wake between messages, as paho's thread would
+    burst_s = time.monotonic() - start
+    digest = wire.model_digest(w)
+    for c in range(3):
+        with hub.cond:
+            for f in wire.encode("update", "run-x", 0, c, torch.zeros(n),
+                                 {"num_samples": 1, "steps": 1, "model_digest": digest}):
+                hub._dispatch(f"d{c}", "update/delta", f, False)
+            hub._dispatch(f"d{c}", "update/stats", wire.encode("stats", "run-x", 0, c, meta={"upload_s": 0.1})[0],
+                          False)
+            hub.cond.notify_all()
+    th.join(timeout=60)
+    updates, dropped = out["result"]
+    assert sorted(updates) == [0, 1, 2] and dropped == {}
+    most = burst_s / tr.SCAN_EVERY_S + 20   # one pass per SCAN_EVERY_S, plus the round's start and end
+    assert transport.scans <= min(most, beats / 4), (transport.scans, burst_s)
+
+
 # --- 5. updates bound to the model they were trained on ---
 
 def test_an_update_trained_on_another_model_is_rejected_with_its_reason(tmp_path):

@@ -35,6 +35,13 @@ from edge_client.trainer import TrainTask
 
 log = logging.getLogger("dropfl.coordinator")
 
+# The round's bookkeeping pass (who is gone, resolved, lost; the deadline; what to re-send) visits every selected
+# client. Every message wakes the loop, so running it on each wake cost O(K) per message, O(K²) a round: 18 % of
+# the coordinator's CPU with 1,000 agents (benchmarks/results/field_load_profile.md). It runs at most once per
+# SCAN_EVERY_S, and at once on a reconnect or a rejoin; a wake in between only waits again. A round closes at
+# most SCAN_EVERY_S after its last message, far below any deadline or heartbeat timeout.
+SCAN_EVERY_S = 0.05
+
 
 def export_onnx(model: torch.nn.Module, w: torch.Tensor, input_shape: tuple[int, ...]) -> bytes:
     """The global model as an ONNX file (input `x` [batch, C, H, W], output `logits`). Uses the
@@ -66,6 +73,7 @@ class MqttTransport:
 
     def __init__(self, hub: FieldHub, model: torch.nn.Module, input_shape: tuple[int, ...], onnx_path: Path):
         self.hub, self.model, self.input_shape, self.onnx_path = hub, model, input_shape, onnx_path
+        self.scans = 0  # bookkeeping passes over the round's clients, all rounds (SCAN_EVERY_S; tests read it)
         hub.layout = feddd.unit_layout(model)
         self.stats: dict[str, float] = {}
 
@@ -114,12 +122,18 @@ class MqttTransport:
         self._publish_model(t, w, onnx_bytes, r.digest)
         deadline = time.monotonic() + hub.cfg.deadline_s  # from the publish; wall_s counts the export too
         hard_end, extended = deadline + hub.cfg.upload_extension_s, False
+        last_scan = float("-inf")
         with hub.cond:
             while True:
                 if hub.down_since is not None:  # a broker outage: nobody is dropped, the round stays open
                     hub.wait_for_broker(f"round {t} is suspended")  # BrokerOutage after --broker-outage-timeout
                     continue
                 now = time.monotonic()
+                if now - last_scan < SCAN_EVERY_S and hub.connects == seen_connects and not r.rejoined:
+                    hub.cond.wait(timeout=SCAN_EVERY_S - (now - last_scan))  # woken by a message: O(1), see above
+                    continue
+                last_scan = now
+                self.scans += 1
                 shift = hub.downtime(now) - down  # deadlines are suspended while disconnected from the broker
                 deadline, hard_end, down = deadline + shift, hard_end + shift, down + shift
                 gone, awaited = set(), hub.awaited(now)  # awaited: cut off by a broker outage, reconnecting
