@@ -61,3 +61,30 @@ def test_fedscale_import_rejects_garbage(tmp_path):
     p.write_bytes(b"garbage")
     with pytest.raises(UserError, match="not a pickled FedScale trace"):
         import_fedscale(p, tmp_path / "o.csv")
+
+
+def test_fedscale_import_checks_everything_before_writing(tmp_path):
+    """A bad device after a good one, a horizon of a billion seconds and an existing output are refused
+    with one line, before anything is written; an existing output is replaced only with overwrite."""
+    good = {"active": [10], "inactive": [20], "finish_time": 100}
+    pkl = tmp_path / "t.pkl"
+    out = tmp_path / "trace.csv"
+    pkl.write_bytes(pickle.dumps({0: good, 1: {"active": [1], "inactive": []}}))
+    with pytest.raises(UserError, match="client 1 lacks"):
+        import_fedscale(pkl, out)
+    pkl.write_bytes(pickle.dumps({0: good, 1: {"active": [float("nan")], "inactive": [5], "finish_time": 100}}))
+    with pytest.raises(UserError, match="client 1: .* must be finite"):
+        import_fedscale(pkl, out)
+    pkl.write_bytes(pickle.dumps({i: good for i in range(3)}))
+    with pytest.raises(UserError, match=r"to --horizon 1e\+09 s gives up to 90,000,000 rows \(limit 50,000,000\)"):
+        import_fedscale(pkl, out, horizon_s=1e9)   # 3 devices × 1e7 periods × 3 rows: refused, not ground through
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pkl"]   # nothing written, no temporary left
+    assert import_fedscale(pkl, out, horizon_s=300, max_rows=27) == 3  # 3 × 3 periods × (off, on, off) = 27
+    first = out.read_text()
+    assert len(first.splitlines()) == 1 + 27
+    with pytest.raises(UserError, match="exists; choose another output file or pass --overwrite"):
+        import_fedscale(pkl, out, horizon_s=100)
+    assert out.read_text() == first
+    assert import_fedscale(pkl, out, horizon_s=100, overwrite=True) == 3 and out.read_text() != first
+    with pytest.raises(UserError, match="limit 26"):
+        import_fedscale(pkl, tmp_path / "other.csv", horizon_s=300, max_rows=26)

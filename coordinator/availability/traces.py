@@ -143,12 +143,24 @@ class DeviceTraceAvailability:
         return RoundAvailability(avail, reasons)
 
 
+MAX_IMPORT_ROWS = 50_000_000  # ~1.3 GB of CSV: beyond it `trace import-fedscale` asks for --max-rows
+
+
 def import_fedscale(pkl: str | Path, out_csv: str | Path, horizon_s: float | None = None,
-                    max_devices: int | None = None, progress: bool = False) -> int:
+                    max_devices: int | None = None, progress: bool = False, overwrite: bool = False,
+                    max_rows: int = MAX_IMPORT_ROWS) -> int:
     """Convert FedScale's `client_behave_trace` (a pickled dict client_id -> {"active": [...],
     "inactive": [...], "finish_time": T}) into our device trace. FedScale treats a client as online
     iff active[k] ≤ (t mod T) ≤ inactive[k] for some k; the pattern repeats every T seconds, and is
-    unrolled here up to `horizon_s` (default: one period). Returns the number of devices written."""
+    unrolled here up to `horizon_s` (default: one period). Returns the number of devices written.
+
+    Everything is checked before anything is written: every device's fields, and the number of rows the
+    unrolling gives (a --horizon of many periods multiplies it: refused above `max_rows`, with the count).
+    `out_csv` is written whole under a temporary name and then renamed; an existing file is replaced only
+    with `overwrite`."""
+    out_csv = Path(out_csv)
+    if out_csv.exists() and not overwrite:
+        raise UserError(f"trace import: {out_csv} exists; choose another output file or pass --overwrite")
     try:
         with open(pkl, "rb") as f:
             data = pickle.load(f)
@@ -161,25 +173,47 @@ def import_fedscale(pkl: str | Path, out_csv: str | Path, horizon_s: float | Non
     ids = sorted(data, key=lambda k: (0, int(k), "") if str(k).isdigit() else (1, 0, str(k)))
     if max_devices:
         ids = ids[:max_devices]
-    with open(out_csv, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(TRACE_FIELDS)
-        for cid in bar(ids, total=len(ids), desc="import", unit="device", enabled=progress):  # a terminal only
-            tr = data[cid]
-            try:
-                act, ina, period = list(tr["active"]), list(tr["inactive"]), float(tr["finish_time"])
-            except (KeyError, TypeError, ValueError):
-                raise UserError(f"trace import: client {cid} lacks active/inactive/finish_time") from None
-            if len(act) != len(ina) or period <= 0:
-                raise UserError(f"trace import: client {cid}: {len(act)} active vs {len(ina)} inactive times")
-            horizon = horizon_s or period
-            for rep in range(math.ceil(horizon / period)):
-                base = rep * period
-                if not act or act[0] > 0:
-                    w.writerow([cid, base, 0, "", "", "", ""])
-                for a, b in zip(act, ina):
-                    if base + a < horizon:
-                        w.writerow([cid, base + a, 1, "", "", "", ""])
-                        # FedScale's interval is closed at `inactive`; offline just after it.
-                        w.writerow([cid, math.nextafter(base + b, math.inf), 0, "", "", "", ""])
+    devices, rows = [], 0
+    for cid in ids:  # check every device and count the rows before the first write
+        tr = data[cid]
+        try:
+            act, ina, period = [float(a) for a in tr["active"]], [float(b) for b in tr["inactive"]], \
+                float(tr["finish_time"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"trace import: client {cid} lacks numeric active/inactive/finish_time") from None
+        if len(act) != len(ina) or not period > 0:
+            raise UserError(f"trace import: client {cid}: {len(act)} active vs {len(ina)} inactive times")
+        if not all(math.isfinite(x) for x in (*act, *ina, period)):
+            raise UserError(f"trace import: client {cid}: its active/inactive times and finish_time must be finite")
+        reps = math.ceil((horizon_s or period) / period)
+        rows += reps * (2 * len(act) + (not act or act[0] > 0))  # at most: intervals past the horizon are cut
+        devices.append((cid, act, ina, period, reps))
+    if rows > max_rows:
+        span = f"to --horizon {horizon_s:g} s" if horizon_s else "over one period"
+        raise UserError(f"trace import: unrolling {len(devices)} devices {span} gives up to {rows:,} rows (limit "
+                        f"{max_rows:,}); lower --horizon or --max-devices, or raise --max-rows")
+    tmp = out_csv.with_name(out_csv.name + ".tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(TRACE_FIELDS)
+            for cid, act, ina, period, reps in bar(devices, total=len(devices), desc="import", unit="device",
+                                                   enabled=progress):  # a terminal only
+                horizon = horizon_s or period
+                for rep in range(reps):
+                    base = rep * period
+                    if not act or act[0] > 0:
+                        w.writerow([cid, base, 0, "", "", "", ""])
+                    for a, b in zip(act, ina):
+                        if base + a < horizon:
+                            w.writerow([cid, base + a, 1, "", "", "", ""])
+                            # FedScale's interval is closed at `inactive`; offline just after it.
+                            w.writerow([cid, math.nextafter(base + b, math.inf), 0, "", "", "", ""])
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"trace import: cannot write {out_csv}: {e.strerror}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out_csv)
     return len(ids)

@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
     imp.add_argument("--horizon", type=float, default=None,
                      help="unroll the periodic pattern up to this many seconds (default: one period)")
     imp.add_argument("--max-devices", type=int, default=None, help="keep only the first N devices")
+    imp.add_argument("--max-rows", type=int, default=None,
+                     help="refuse an unrolling longer than this many rows (default 50,000,000, ~1.3 GB)")
+    imp.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     imp.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
     imp.set_defaults(func=run_import)
     show = tsub.add_parser("show", help="summarise a participation log (a run directory, participation.csv or "
@@ -35,8 +38,12 @@ def run_import(args) -> int:
         check_value("--horizon", args.horizon, float, {"gt": 0}, "", UserError)
     if args.max_devices is not None:  # 0 meant all devices, -1 all but the last
         check_value("--max-devices", args.max_devices, int, {"minimum": 1}, "", UserError)
+    if args.max_rows is not None:
+        check_value("--max-rows", args.max_rows, int, {"minimum": 1}, "", UserError)
+    from coordinator.availability.traces import MAX_IMPORT_ROWS
     n = import_fedscale(args.pickle, args.out, args.horizon, args.max_devices,
-                        progress=not getattr(args, "no_progress", False))
+                        progress=not getattr(args, "no_progress", False), overwrite=args.overwrite,
+                        max_rows=args.max_rows or MAX_IMPORT_ROWS)
     print(f"wrote {n} devices to {args.out}")
     return 0
 
