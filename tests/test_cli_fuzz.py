@@ -9,7 +9,9 @@ traces. For every case:
       and never `internal error` (an unexpected exception: a bug);
   (c) nothing is written outside the case's own directory (the process runs with cwd, HOME, XDG_* and
       TMPDIR in the test's tmp dir; the rest of the tmp tree is compared before and after);
-  (d) an existing run directory is byte-for-byte unchanged unless --resume/--overwrite and valid input.
+  (d) an existing run directory is byte-for-byte unchanged unless --resume/--overwrite and valid input;
+  (e) on a non-zero exit nothing in the case's own directory was created or changed either: bad input is
+      refused before the first write (no partial output file, no temporary left beside the inputs).
 
 Cheap on purpose: flags that would make a run expensive (rounds, clients, model, steps, engine, threads)
 get only cheap or invalid values, `trial`/`coordinator`/`client` never reach a broker (their run
@@ -130,8 +132,9 @@ def _call(argv: list[str]) -> tuple[int, str, str]:
 
 
 def check(box: Sandbox, argv: list[str], case: Path, *, run_may_change: bool = False) -> tuple[int, str]:
-    """Run `argv` with cwd = case and assert properties (a)-(d); returns (exit code, stderr)."""
+    """Run `argv` with cwd = case and assert properties (a)-(e); returns (exit code, stderr)."""
     before = _listing(box.base, skip=case)
+    inputs = _listing(case)
     old = os.getcwd()
     os.chdir(case)
     mp = pytest.MonkeyPatch()
@@ -148,6 +151,9 @@ def check(box: Sandbox, argv: list[str], case: Path, *, run_may_change: bool = F
         lines = [x for x in err.split("\n") if x.strip()]  # "\n" only: \x85 or \u2028 in a value is no new line
         assert lines and lines[-1].startswith("dropfl: error: "), show           # (b)
         assert "internal error" not in lines[-1], show                           # (b): a bug
+        left = _listing(case)   # (e) refused: nothing written, not even next to the inputs
+        touched = sorted(k for k in set(inputs) | set(left) if inputs.get(k) != left.get(k))
+        assert not touched, f"refused, yet wrote {touched[:5]}; {show}"
     after = _listing(box.base, skip=case)
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
     # (d) below decides about the run directory; HOME and TMPDIR (caches: matplotlib's fonts) may be written
