@@ -18,9 +18,13 @@ import time
 import traceback
 from pathlib import Path
 
-from coordinator import errors
-from coordinator.errors import RunFailure, UserError
-from edge_client import logs
+from coordinator import alloc
+
+alloc.one_arena()  # before torch starts its first thread (coordinator/alloc.py)
+
+from coordinator import errors  # noqa: E402
+from coordinator.errors import RunFailure, UserError  # noqa: E402
+from edge_client import logs  # noqa: E402
 
 SUBCOMMANDS = ["coordinator.cli.sim", "coordinator.cli.trace", "coordinator.cli.provision", "coordinator.cli.client",
                "coordinator.cli.coordinator", "coordinator.cli.report", "coordinator.cli.trial",
@@ -87,6 +91,10 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).splitlines())
 
 
+# commands whose process evaluates or aggregates models: glibc keeps freed memory for reuse (coordinator/alloc.py)
+KEEPS_FREED_MEMORY = ("sim", "reproduce", "coordinator")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet = getattr(args, "quiet", False)
@@ -94,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         args.no_progress = True
     logs.setup(args.log_level or ("warning" if quiet else "info"))
     errors.current_run_dir = None
+    if args.command in KEEPS_FREED_MEMORY:
+        alloc.keep_freed_memory()
     try:
         return int(args.func(args) or 0)
     except UserError as e:
