@@ -351,3 +351,26 @@ def test_page_in_a_browser_draws_the_run_and_its_new_rounds(runs, tmp_path, serv
 def test_bad_host_is_one_line():
     with pytest.raises(UserError, match="not an address"):
         DashboardServer([Path(".")], host="no-such-host.invalid", port=0)
+
+
+@pytest.mark.slow
+def test_page_says_when_its_finished_runs_server_has_stopped(runs, tmp_path, browser):
+    """A `sim --dashboard` server stops with its run: the page then says the runs finished and what it shows
+    is final (not "no answer"); with a run still going it keeps saying there is no answer."""
+    for finished in (True, False):
+        (fedavg,) = _copy(runs, tmp_path / str(finished), names=("fedavg",))
+        if not finished:
+            (fedavg / "model.pt").unlink()   # as a run that is still going
+        srv = DashboardServer([fedavg], port=0, poll_s=0.2).start()
+        try:
+            browser.get(srv.url)
+            _wait(browser, lambda d: int(d.find_element("tag name", "body").get_attribute("data-updates")) >= 1,
+                  "the page drew the run")
+        finally:
+            srv.stop()
+        status = _wait(browser, lambda d: (lambda s: s if "server" in s and "updated" not in s else False)(
+            d.find_element("id", "status").text), "the page noticed the server stopped")
+        if finished:
+            assert status.startswith("every run has finished and the dashboard server has stopped"), status
+        else:
+            assert status.startswith("no answer from the dashboard server"), status

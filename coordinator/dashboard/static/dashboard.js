@@ -40,8 +40,14 @@ async function poll() {
     $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
     $("status").className = "";
   } catch (e) {
-    $("status").textContent = `no answer from the dashboard server (${e.message}); retrying`;
-    $("status").className = "down";
+    // every run finished at the last answer: the server stopped with its run (sim --dashboard); the page is final
+    const over = state.runs.length > 0 && state.runs.every((r) => r.finished);
+    $("status").textContent = over
+      ? "every run has finished and the dashboard server has stopped: what is shown is final"
+      : `no answer from the dashboard server (${e.message}); retrying`;
+    $("status").className = over ? "over" : "down";
+    setTimeout(poll, over ? 10 * state.poll : state.poll);  // slower, yet back if a server is started again
+    return;
   }
   setTimeout(poll, state.poll);
 }
