@@ -170,7 +170,9 @@ def test_a_skewed_agent_clock_gives_the_same_feddd_inputs(tmp_path, monkeypatch,
 
 # --- 4. a rejoin sends the model to the rejoining agent alone ---
 
-def test_a_rejoin_publishes_the_model_only_on_the_rejoining_agents_topic(tmp_path):
+def open_round(tmp_path, clients: int = 3):
+    """Round 0 of a logreg federation opened by MqttTransport.run_round in a thread, on a broker-less hub
+    whose publishes are recorded as (topic, bytes); returns once the round's ONNX model is out."""
     model = build_model("logreg", (1, 28, 28), 10, 0)
     n = sum(p.numel() for p in model.parameters())
     hub = make_hub(tmp_path)
@@ -179,13 +181,19 @@ def test_a_rejoin_publishes_the_model_only_on_the_rejoining_agents_topic(tmp_pat
     hub.publish_frames = lambda topic, frames: published.extend((topic, len(f)) for f in frames)
     transport = MqttTransport(hub, model, (1, 28, 28), tmp_path / "model.onnx")
     w = get_flat(model)
-    tasks = [TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)]
+    tasks = [TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(clients)]
     out = {}
     th = threading.Thread(target=lambda: out.update(result=transport.run_round(0, w, tasks)))
     th.start()
     deadline = time.monotonic() + 60
     while not any(t == "model/onnx" for t, _ in published) and time.monotonic() < deadline:
         time.sleep(0.01)
+    return hub, transport, w, n, published, th, out
+
+
+def test_a_rejoin_publishes_the_model_only_on_the_rejoining_agents_topic(tmp_path):
+    hub, transport, w, n, published, th, out = open_round(tmp_path)
+    deadline = time.monotonic() + 60
     first = len(published)
     status = {"state": "online"} | make_hub.__globals__["BINDING"]
 
@@ -222,21 +230,7 @@ def test_a_burst_of_messages_does_not_rescan_the_round_for_each(tmp_path, monkey
     The round still closes on its last message with every update."""
     from coordinator.field import transport as tr
 
-    model = build_model("logreg", (1, 28, 28), 10, 0)
-    n = sum(p.numel() for p in model.parameters())
-    hub = make_hub(tmp_path)
-    hub.num_params, hub.max_update_bytes = n, 8 * n + 64 * 1024
-    published: list[str] = []
-    hub.publish_frames = lambda topic, frames: published.append(topic)
-    transport = MqttTransport(hub, model, (1, 28, 28), tmp_path / "model.onnx")
-    w = get_flat(model)
-    tasks = [TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)]
-    out = {}
-    th = threading.Thread(target=lambda: out.update(result=transport.run_round(0, w, tasks)))
-    th.start()
-    deadline = time.monotonic() + 60
-    while "model/onnx" not in published and time.monotonic() < deadline:
-        time.sleep(0.01)
+    hub, transport, w, n, _, th, out = open_round(tmp_path)
     hb = wire.encode("heartbeat", "", -1, 0, meta={"available": True, "reason": None})[0]
     beats, start = 2000, time.monotonic()
     for _ in range(beats):

@@ -89,6 +89,33 @@ def _trial_cmd(out: Path, *extra: str) -> list[str]:
                   "--out", str(out), "--no-progress", *extra]
 
 
+def stop_by_broker_loss(cmd: list[str]) -> str:
+    """Start the trial `cmd` (with a short --broker-outage-timeout), kill its broker for good once rounds 0
+    and 1 are done; the trial must stop with exit 1. Returns what it wrote on stderr after the kill."""
+    trial = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        port, seen = None, []
+        for line in trial.stderr:  # "[trial] broker mqtt://127.0.0.1:PORT": the trial's first info line
+            seen.append(line)
+            m = re.search(r"broker mqtt://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port is not None, "".join(seen)
+        mosquitto = _broker_of(trial)
+        watcher = Watcher(port)
+        try:
+            watcher.wait_for(model_of_round("run-", 2), timeout=120)  # rounds 0 and 1 are done
+        finally:
+            watcher.close()
+        os.kill(mosquitto.pid, signal.SIGKILL)
+        rest = trial.stderr.read()
+        assert trial.wait(timeout=120) == 1, rest
+        return rest
+    finally:
+        kill_group(trial, signal.SIGTERM)
+
+
 def _broker_of(trial: subprocess.Popen) -> psutil.Process:
     """The trial's private mosquitto: a child process of `dropfl trial`."""
     deadline = time.monotonic() + 30
@@ -105,27 +132,7 @@ def test_broker_never_back_stops_the_trial_and_trial_resume_finishes_it(tmp_path
     round 1 checkpointed (though --checkpoint-every had not saved it). `dropfl trial --resume RUN` then
     starts a new broker, the agents and the coordinator, and ends with the uninterrupted run's model."""
     out = tmp_path / "run"
-    trial = subprocess.Popen(_trial_cmd(out, "--broker-outage-timeout", "3", "--checkpoint-every", "100"),
-                             cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        port = None
-        for line in trial.stderr:  # "[trial] broker mqtt://127.0.0.1:PORT": the trial's first info line
-            m = re.search(r"broker mqtt://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-                break
-        assert port is not None
-        mosquitto = _broker_of(trial)
-        watcher = Watcher(port)
-        try:
-            watcher.wait_for(model_of_round("run-", 2), timeout=120)  # rounds 0 and 1 are done
-        finally:
-            watcher.close()
-        os.kill(mosquitto.pid, signal.SIGKILL)
-        rest = trial.stderr.read()
-        assert trial.wait(timeout=120) == 1, rest
-    finally:
-        kill_group(trial, signal.SIGTERM)
+    rest = stop_by_broker_loss(_trial_cmd(out, "--broker-outage-timeout", "3", "--checkpoint-every", "100"))
     last = rest.strip().splitlines()[-1]
     assert last.startswith("dropfl: error: ") and f"dropfl trial --resume {out}" in last, rest
     assert torch.load(out / "checkpoint.pt", weights_only=False)["round"] == 1

@@ -5,7 +5,6 @@ limit really limits a transfer through the veth, and that a trace's outage produ
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -222,34 +221,14 @@ def test_trial_resume_with_links_goes_on_with_the_trace(tmp_path):
     --resume` builds the links again and goes on with the trace from the time the first session reached:
     the agent-1 rate change at trace time 1 s is in force again (applied at once), the 1-hour outage is still
     ahead, the record keeps both sessions, and the run finishes all its rounds with everyone."""
-    from test_field_outage import _broker_of, _trial_cmd, model_of_round
+    from test_field_outage import _trial_cmd, stop_by_broker_loss
 
     trace = tmp_path / "links.csv"
     trace.write_text("device,t_s,online,battery_pct,charging,uplink_Bps,downlink_Bps\n"
                      + "".join(f"client-{i},0,1,,,2000000,2000000\n" for i in range(3))
                      + "client-1,1,,,,1000000,\nclient-0,3600,0,,,,\n")
     out = tmp_path / "run"
-    trial = subprocess.Popen(_trial_cmd(out, "--links", str(trace), "--broker-outage-timeout", "3"), cwd=ROOT,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        port, seen = None, []
-        for line in trial.stderr:
-            seen.append(line)
-            if "broker mqtt://" in line:
-                port = int(line.rsplit(":", 1)[1])
-                break
-        assert port is not None, "".join(seen)
-        mosquitto = _broker_of(trial)
-        watcher = Watcher(port)
-        try:
-            watcher.wait_for(model_of_round("run-", 2), timeout=120)  # rounds 0 and 1 are done
-        finally:
-            watcher.close()
-        os.kill(mosquitto.pid, signal.SIGKILL)
-        rest = trial.stderr.read()
-        assert trial.wait(timeout=120) == 1, rest
-    finally:
-        kill_group(trial, signal.SIGTERM)
+    stop_by_broker_loss(_trial_cmd(out, "--links", str(trace), "--broker-outage-timeout", "3"))
     first = json.loads((out / "links.json").read_text())
     assert len(first["sessions"]) == 1 and first["clock_s"] > 1.0
     assert [(a["agent"], a["up_Bps"]) for a in first["applied"]] == [(1, 1000000.0)]

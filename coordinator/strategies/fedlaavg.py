@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from coordinator.strategies.base import ClientUpdate, State, Strategy
+from coordinator.strategies.schedule import server_lr
 
 
 class FedLaAvg(Strategy):
@@ -109,16 +110,5 @@ class FedLaAvg(Strategy):
             last[i] = t                 # FedLaAvg line 7: R_i ← r
         if not normalised:
             return w - avg, state       # FedLaAvg line 10: x^r = x^{r−1} + u^r (delta units: w − avg)
-        lr = self._lr(state, t, updates)
+        lr = server_lr(state, t, updates, self.lr_at)
         return w - lr * avg, state      # line 10, released code: x ← x − lr(current_round) · average gradient sum
-
-    def _lr(self, state: State, t: int, updates: dict[int, ClientUpdate]) -> float:
-        """η_t for "lr-normalised": the bound schedule's; else this round's updates' lr; else the last one."""
-        if self.lr_at is not None:
-            lr = float(self.lr_at(t))
-        elif updates:
-            lr = float(next(iter(updates.values())).lr)
-        else:
-            lr = float(state["lr"][0])
-        state["lr"][0] = lr
-        return lr

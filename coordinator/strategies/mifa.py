@@ -10,6 +10,7 @@ import torch
 from coordinator.statestore import row_sum
 from coordinator.strategies.base import ClientUpdate, State, Strategy
 from coordinator.strategies.mimic import check_units, global_step, raw_update
+from coordinator.strategies.schedule import server_lr
 
 log = logging.getLogger("dropfl.strategy")
 
@@ -58,11 +59,12 @@ class MIFA(Strategy):
             least once; from the round in which the last first upload arrives the rule above runs every round.
             The waiting rounds count as rounds (the lr schedule, e.g. MIFA's lr_0/(t+1), advances through them).
 
-    State: "latest", float32 [N, M], row i = G_i (with "lr-normalised" also "lr" float64 [1], the last η_t). Updated in place (a sim with N = 10 000 clients of a
+    State: "latest", float32 [N, M], row i = G_i. Updated in place (a sim with N = 10 000 clients of a
     7,850-parameter model holds 314 MB here, and nothing else of that size), in the run's state store
     (--state-store: RAM or a file of the run directory). The sum over all N rows is `row_sum`'s, in fixed
     blocks of rows: exactly latest.sum(0) while N fits one block, and O(N) row reads per round either way.
-    With wait_all also "seen", bool [N]: which clients have uploaded at least once.
+    With wait_all also "seen", bool [N]: which clients have uploaded at least once. With "lr-normalised"
+    also "lr", float64 [1]: the last η_t applied (`schedule.server_lr`).
     """
 
     name = "mifa"
@@ -136,18 +138,7 @@ class MIFA(Strategy):
                 return w, state  # MIFA code: no update until every device has taken part once
         v = row_sum(latest) * self.weight(latest.shape[0])  # MIFA: v_t = (1/N) Σ_{i=1}^N G_i (blocks of rows)
         if self.storage == "lr-normalised":
-            step = self._lr(state, t, updates)   # the current round's lr on the lr-normalised average
+            step = server_lr(state, t, updates, self.lr_at)  # the current round's lr on the lr-normalised mean
         else:
             step = global_step(self.units, t, 1.0, self.global_lr, self.global_lr_decay)
         return w - step * v, state  # w_{t+1} = w_t − η_t v_t
-
-    def _lr(self, state: State, t: int, updates: dict[int, ClientUpdate]) -> float:
-        """η_t for "lr-normalised": the bound schedule's; else this round's updates' lr; else the last one."""
-        if self.lr_at is not None:
-            lr = float(self.lr_at(t))
-        elif updates:
-            lr = float(next(iter(updates.values())).lr)
-        else:
-            lr = float(state["lr"][0])
-        state["lr"][0] = lr
-        return lr

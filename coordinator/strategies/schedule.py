@@ -1,7 +1,8 @@
 """The local learning-rate schedules of the seed papers' runs, one pure function (`lr_at`).
 
 The round loop sends lr_t with every task (`LoopConfig.lr_at`), and a strategy that applies the current lr
-on the server (FedLaAvg with lr-normalised storage) is bound to the same function, so both always agree.
+on the server (FedLaAvg and MIFA with lr-normalised storage) is bound to the same function, so both always
+agree (`server_lr`).
 
     exp    lr_t = max(lr·γ^t, lr_min)            (γ < 1; γ = 1: lr_t = lr)   MimiC released code (γ = 0.95)
     inv-t  lr_t = max(lr/(t + 1), lr_min)                                     MIFA released code
@@ -28,3 +29,17 @@ def lr_at(t: int, lr: float, *, schedule: str = "exp", decay: float = 1.0, lr_mi
             raise ValueError(f"step_every must be >= 1 (got {step_every})")
         return max(lr * decay ** (t // step_every), lr_min) if decay < 1 else lr  # lr·γ^⌊t/k⌋
     raise ValueError(f"unknown lr schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
+
+
+def server_lr(state: dict, t: int, updates: dict, bound=None) -> float:
+    """η_t that a table of lr-normalised updates (d_i/η_i) is applied with in round t: the bound schedule's
+    (`bound(t)`, the loop's `lr_at`); without one, the lr this round's updates were trained with, else the
+    last one used (kept in state["lr"], float64 [1], so a round without uploads and a resumed run agree)."""
+    if bound is not None:
+        lr = float(bound(t))
+    elif updates:
+        lr = float(next(iter(updates.values())).lr)
+    else:
+        lr = float(state["lr"][0])
+    state["lr"][0] = lr
+    return lr
