@@ -1,13 +1,14 @@
 """dropfl reproduce mimic-table3 on a tiny setting: the whole pipeline, its JSON schema, resumption."""
 
 import json
+import os
 import re
 
 import pytest
 from strategy_helpers import cache_dataset_loads
 
 from coordinator import cli
-from coordinator.report.reproduce import METHODS, PAPER_TABLE3, markdown
+from coordinator.report.reproduce import METHODS, PAPER_TABLE3, busy_seconds, markdown, sessions
 
 TINY = ["--trials", "1", "--taus", "3", "--rounds", "2", "--clients", "6", "--steps", "2", "--model", "logreg",
         "--no-progress", "--threads", "1", "--engine", "loop"]
@@ -39,7 +40,9 @@ def test_results_json_schema_and_files(repro):
         (run,) = cells["3"]["per_run"]
         assert run["last_min"] <= run["last_mean"] <= run["last_max"] and run["seconds"] > 0
         assert run["engine"] == "loop"
-    assert "## Evidence" in md and "## Wall time" in md and "The 5 distinct runs in the table took" in md
+        (span,) = run["sessions"]   # one session: its start and end in wall-clock time
+        assert 0 < span[1] - span[0] < 3600
+    assert "## Evidence" in md and "## Wall time" in md and "The 5 distinct runs were computing for" in md
     assert (base / "res" / "mimic_table3_fig4.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -136,7 +139,7 @@ def test_halfnormal_runs_get_their_own_files_and_uncapped_taus_reuse_one_run(tmp
     assert cfg["availability"]["tau_dist"] == "halfnormal"
     md = (tmp_path / "res" / "mimic_table3_halfnormal.md").read_text()
     assert "τ_i halfnormal (released code)" in md
-    assert "| MimiC | 20, 50 | 0 |" in md and "The 1 distinct runs in the table took" in md  # listed, timed once
+    assert "| MimiC | 20, 50 | 0 |" in md and "The 1 distinct runs were computing for" in md  # listed, timed once
 
 
 # --- one command per seed paper: every --quick form end to end (docs/reproductions.md) ---
@@ -226,3 +229,29 @@ def test_runs_go_through_the_sweep_with_the_chosen_executor(name, tmp_path):
     ((executor, kinds, outs),) = seen
     assert executor == "serial" and set(kinds) == {"Job"} and len(outs) == 5
     assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == sorted(outs)
+
+
+def test_wall_time_is_the_union_of_the_runs_sessions(tmp_path):
+    """Runs of a lockstep group overlap in time: the table's wall time is the union of their sessions' spans,
+    not the sum of their rounds' seconds; a resumed run has one span per session, a session that wrote no
+    round (resumed with nothing left to do) none."""
+    assert busy_seconds([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert busy_seconds([]) == 0
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def log(*times):
+        (run / "log.jsonl").write_text("".join(json.dumps({"time": t, "logger": "dropfl.run",
+                                                            "message": f"run {run}: fedavg on fmnist"}) + "\n"
+                                               for t in times))
+
+    rows = [{"round": t, "seconds": 10.0, "elapsed": 10.0 * (t + 1)} for t in range(3)]   # session 1: 30 s
+    rows += [{"round": t, "seconds": 10.0, "elapsed": 10.0 * (t - 2)} for t in range(3, 5)]  # session 2: 20 s
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.utime(run / "metrics.jsonl", (5020.0, 5020.0))   # when the last round's row was written
+    log(1000.0, 5000.0)
+    assert sessions(run) == [(1000.0, 1030.0), (5000.0, 5020.0)]
+    log(1000.0, 5000.0, 9000.0)   # resumed at 9000 with nothing left to do: no rows, no span
+    assert sessions(run) == [(1000.0, 1030.0), (5000.0, 5020.0)]
+    log(1000.0)
+    assert sessions(run) is None   # two sessions of rounds, one start: they do not pair up

@@ -115,15 +115,63 @@ def curve(path: Path) -> tuple[list[int], list[float]]:
 
 def run_stats(path: Path, last: int = 5) -> dict:
     """What the results file reports per run besides its final accuracy: the mean, std and range of
-    its last `last` evaluations (how noisy one final value is), and its wall time (Σ of the rounds'
-    `seconds`, so a resumed run counts only the rounds it actually ran)."""
+    its last `last` evaluations (how noisy one final value is), its round time (Σ of the rounds' `seconds`, so a
+    resumed run counts only the rounds it actually ran) and its sessions' spans of wall-clock time."""
     rows = read_metrics(path / "metrics.jsonl")
     acc = [100 * r["accuracy"] for r in rows if r.get("accuracy") is not None][-last:]
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     return {"last_mean": round(float(np.mean(acc)), 2), "last_std": round(float(np.std(acc)), 2),
             "last_min": round(min(acc), 2), "last_max": round(max(acc), 2), "last_n": len(acc),
             "seconds": round(sum(r.get("seconds", 0.0) for r in rows), 3),
-            "engine": cfg.get("train", {}).get("engine")}
+            "engine": cfg.get("train", {}).get("engine"), "sessions": sessions(path)}
+
+
+def sessions(path: Path) -> list[tuple[float, float]] | None:
+    """The run's spans of wall-clock time (epoch seconds), one per session (a resume starts a new one): from
+    the session's start (its `run …` record in log.jsonl) for as long as its last round's `elapsed` says
+    (`elapsed` restarts with every session). A later session that wrote no round is left out (the last one with
+    rounds is found by the time metrics.jsonl was last written); None where the log or the rounds' `elapsed`
+    are missing, or they do not pair up."""
+    log, rows = path / "log.jsonl", read_metrics(path / "metrics.jsonl")
+    if not log.exists() or not rows:
+        return None
+    starts = []
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("logger") == "dropfl.run" and str(rec.get("message", "")).startswith("run "):
+            starts.append(float(rec["time"]))
+    ends, prev = [], None
+    for r in rows:
+        e = r.get("elapsed")
+        if e is None:
+            return None
+        if prev is not None and e < prev:
+            ends.append(prev)   # elapsed went back: a new session began
+        prev = e
+    ends.append(prev)
+    if len(starts) < len(ends):
+        return None
+    if len(starts) > len(ends):  # a session that wrote no round (resumed with nothing left): the last session
+        # with rounds is the one whose start fits the time its last row was written (the file's mtime)
+        last_row_at = (path / "metrics.jsonl").stat().st_mtime
+        k = min(range(len(starts)), key=lambda j: abs(starts[j] + ends[-1] - last_row_at))
+        if k < len(ends) - 1:
+            return None
+        starts = starts[:len(ends) - 1] + [starts[k]]
+    return [(s, s + e) for s, e in zip(starts, ends)]
+
+
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of the spans (runs of a lockstep group overlap in time)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -318,10 +366,19 @@ def evidence(results: dict, methods: list[str], taus: list[int]) -> list[str]:
     secs = [(row["r"]["seconds"], row["r"]["engine"]) for row in runs.values()]
     engines = sorted({e for _, e in secs if e})
     total = sum(x for x, _ in secs)
-    lines += ["", "## Wall time", "",
-              f"The {len(secs)} distinct runs in the table took {total / 3600:.2f} h of wall time in total "
-              f"(Σ of the rounds' `seconds`; engine: {', '.join(engines) or 'unknown'}; machine shared with other "
-              "work at times)."]
+    spans = [row["r"].get("sessions") for row in runs.values()]
+    lines += ["", "## Wall time", ""]
+    if spans and all(spans):
+        busy = busy_seconds([s for run_spans in spans for s in run_spans])
+        lines.append(f"The {len(secs)} distinct runs were computing for **{busy / 3600:.2f} h** of wall time: the "
+                     f"union of their sessions' spans (log.jsonl and the rounds' `elapsed`), gaps between "
+                     f"sessions left out; engine: {', '.join(engines) or 'unknown'}; machine shared with other "
+                     f"work at times. Σ of the rounds' `seconds` is {total / 3600:.2f} h: runs of a lockstep "
+                     f"group wait for each other's rounds, so their round times overlap.")
+    else:
+        lines.append(f"The {len(secs)} distinct runs took {total / 3600:.2f} h of round time in total (Σ of the "
+                     f"rounds' `seconds`, which overlap where runs advanced in lockstep; engine: "
+                     f"{', '.join(engines) or 'unknown'}; machine shared with other work at times).")
     return lines
 
 
