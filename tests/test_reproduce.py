@@ -255,3 +255,9 @@ def test_wall_time_is_the_union_of_the_runs_sessions(tmp_path):
     assert sessions(run) == [(1000.0, 1030.0), (5000.0, 5020.0)]
     log(1000.0)
     assert sessions(run) is None   # two sessions of rounds, one start: they do not pair up
+    (run / "log.jsonl").write_text('not json\n{"logger": "dropfl.run", "message": "run x"}\n[1]\n'
+                                   '{"logger": "dropfl.run", "message": "run x", "time": "soon"}\n')
+    assert sessions(run) is None   # damaged lines are no session starts, and never an exception
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 0, "elapsed": "x"}) + "\n")
+    log(1000.0)
+    assert sessions(run) is None

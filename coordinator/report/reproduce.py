@@ -139,14 +139,14 @@ def sessions(path: Path) -> list[tuple[float, float]] | None:
     for line in log.read_text().splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("logger") == "dropfl.run" and str(rec.get("message", "")).startswith("run "):
-            starts.append(float(rec["time"]))
+            if rec.get("logger") == "dropfl.run" and str(rec.get("message", "")).startswith("run "):
+                starts.append(float(rec["time"]))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue   # a damaged line: not a session start
     ends, prev = [], None
     for r in rows:
         e = r.get("elapsed")
-        if e is None:
+        if not isinstance(e, (int, float)) or isinstance(e, bool):
             return None
         if prev is not None and e < prev:
             ends.append(prev)   # elapsed went back: a new session began
