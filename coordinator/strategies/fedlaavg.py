@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from coordinator.strategies.base import ClientUpdate, State, Strategy
-from coordinator.strategies.schedule import server_lr
+from coordinator.strategies.schedule import LrNormalisedTable, server_lr
 
 
-class FedLaAvg(Strategy):
+class FedLaAvg(LrNormalisedTable, Strategy):
     """FedLaAvg, Algorithm 2 (C local iterations per round), Yan, Niu, Ding, Zheng, Wu, Chen, Tang, Wu,
     "Distributed Non-Convex Optimization with Sublinear Speedup under Intermittent Client Availability",
     arXiv:2002.07399 (2020).
@@ -63,22 +63,16 @@ class FedLaAvg(Strategy):
 
     name = "fedlaavg"
     tables = ("latest",)
-    STORAGES = ("raw", "lr-normalised")
 
     def __init__(self, *, beta: float = 0.1, storage: str = "raw", lr_at: Callable[[int], float] | None = None):
         if not 0 < beta <= 1:
             raise ValueError(f"beta must be in (0, 1] (got {beta})")
-        if storage not in self.STORAGES:
-            raise ValueError(f"storage must be one of {', '.join(self.STORAGES)} (got {storage!r})")
-        self.beta, self.storage, self.lr_at = beta, storage, lr_at
+        self.set_storage(storage, lr_at)
+        self.beta = beta
 
     @classmethod
     def from_config(cls, s) -> FedLaAvg:
         return cls(beta=s.beta, storage=s.fedlaavg_storage)
-
-    def bind_lr_schedule(self, lr_at: Callable[[int], float]) -> None:
-        """The run's local lr schedule (the loop's `lr_at`): the lr applied to the average in "lr-normalised"."""
-        self.lr_at = lr_at
 
     def k(self, n_clients: int) -> int:
         return max(1, round(self.beta * n_clients))  # K = βN

@@ -10,7 +10,7 @@ import torch
 from coordinator.statestore import row_sum
 from coordinator.strategies.base import ClientUpdate, State, Strategy
 from coordinator.strategies.mimic import check_units, global_step, raw_update
-from coordinator.strategies.schedule import server_lr
+from coordinator.strategies.schedule import LrNormalisedTable, server_lr
 
 log = logging.getLogger("dropfl.strategy")
 
@@ -21,7 +21,7 @@ log = logging.getLogger("dropfl.strategy")
 ROUND_WEIGHTS_REL_TOL = 0.01
 
 
-class MIFA(Strategy):
+class MIFA(LrNormalisedTable, Strategy):
     """MIFA, "Fast Federated Learning in the Presence of Arbitrary Device Unavailability" (Gu et al.,
     NeurIPS 2021), the rule used as a baseline by MimiC: the server stores the latest update of every
     client and averages all N of them, so a dropped client is represented by its last update.
@@ -71,17 +71,13 @@ class MIFA(Strategy):
     tables = ("latest",)
     absorbs = True  # an update only replaces its client's row: written as it arrives (Strategy.absorb)
 
-    STORAGES = ("raw", "lr-normalised")
-
     def __init__(self, *, units: str = "delta", round_weights: bool = True, global_lr: float = 0.01,
                  global_lr_decay: float = 0.95, wait_all: bool = False, storage: str = "raw",
                  lr_at: Callable[[int], float] | None = None):
         self.units = check_units(units)
-        if storage not in self.STORAGES:
-            raise ValueError(f"storage must be one of {', '.join(self.STORAGES)} (got {storage!r})")
+        self.set_storage(storage, lr_at)
         if storage != "raw" and self.units != "delta":
             raise ValueError(f"storage {storage!r} needs units 'delta' (gradient units already divide by the lr)")
-        self.storage, self.lr_at = storage, lr_at
         self.round_weights, self.global_lr, self.global_lr_decay = round_weights, global_lr, global_lr_decay
         self.wait_all = wait_all
         self._warned = False  # the fallback warning is logged once per instance
@@ -90,10 +86,6 @@ class MIFA(Strategy):
     def from_config(cls, s) -> MIFA:
         return cls(units=s.units, round_weights=s.mifa_round_weights, global_lr=s.global_lr,
                    global_lr_decay=s.global_lr_decay, wait_all=s.mifa_wait_all, storage=s.mifa_storage)
-
-    def bind_lr_schedule(self, lr_at: Callable[[int], float]) -> None:
-        """The run's local lr schedule (the loop's `lr_at`): the lr applied to the average in "lr-normalised"."""
-        self.lr_at = lr_at
 
     def init_state(self, n_clients: int, w0: torch.Tensor) -> State:
         state = {"latest": self.table("latest", n_clients, w0.numel())}

@@ -14,6 +14,8 @@ t is the 0-based round. `exp` is `step` with k = 1. Floor: `lr_min` (1e-5 by def
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 SCHEDULES = ("exp", "inv-t", "step")
 
 
@@ -29,6 +31,25 @@ def lr_at(t: int, lr: float, *, schedule: str = "exp", decay: float = 1.0, lr_mi
             raise ValueError(f"step_every must be >= 1 (got {step_every})")
         return max(lr * decay ** (t // step_every), lr_min) if decay < 1 else lr  # lr·γ^⌊t/k⌋
     raise ValueError(f"unknown lr schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
+
+
+class LrNormalisedTable:
+    """What FedLaAvg and MIFA share when their latest-update table may hold lr-normalised updates (d_i/η_i,
+    applied with `server_lr`): the storage names and their check, and the run's lr schedule, bound to the
+    strategy by `runsetup.build_strategy` (`bind_lr_schedule`)."""
+
+    STORAGES = ("raw", "lr-normalised")
+    storage = "raw"
+    lr_at: Callable[[int], float] | None = None
+
+    def set_storage(self, storage: str, lr_at: Callable[[int], float] | None) -> None:
+        if storage not in self.STORAGES:
+            raise ValueError(f"storage must be one of {', '.join(self.STORAGES)} (got {storage!r})")
+        self.storage, self.lr_at = storage, lr_at
+
+    def bind_lr_schedule(self, lr_at: Callable[[int], float]) -> None:
+        """The run's local lr schedule (the loop's `lr_at`): the lr applied to the average in "lr-normalised"."""
+        self.lr_at = lr_at
 
 
 def server_lr(state: dict, t: int, updates: dict, bound=None) -> float:
