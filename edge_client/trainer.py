@@ -53,17 +53,30 @@ def client_generator(seed: int, rnd: int, client: int) -> torch.Generator:
     return g
 
 
+def batch_table(n: int, task: TrainTask, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index batches for one round: successive random permutations of 0..n-1 (one `randperm` per
+    epoch begun) cut into batches of `batch_size` (the last batch of an epoch may be smaller), for
+    `epochs` passes or `steps` steps. As a table: rows [steps, batch_size] int64, step j's batch in
+    rows[j, :sizes[j]] and -1 after it, and sizes [steps]. (The batched engine reads the table as it is;
+    `batch_plan` is the same batches as a list.)"""
+    bs = task.batch_size
+    limit = 0 if n == 0 else task.steps if task.steps is not None else (task.epochs or 0) * -(-n // bs)
+    per_epoch, full = -(-n // bs) if n else 1, n // bs
+    epochs = -(-limit // per_epoch)
+    perms = torch.stack([torch.randperm(n, generator=gen) for _ in range(epochs)]) if epochs else \
+        torch.zeros(0, n, dtype=torch.long)
+    table = torch.full((epochs, per_epoch, bs), -1, dtype=torch.long)
+    table[:, :full] = perms[:, :full * bs].reshape(epochs, full, bs)
+    if n > full * bs:   # an epoch's last, smaller batch
+        table[:, full, :n - full * bs] = perms[:, full * bs:]
+    sizes = torch.tensor([bs] * full + ([n - full * bs] if n > full * bs else []), dtype=torch.long).repeat(epochs)
+    return table.reshape(-1, bs)[:limit], sizes[:limit]
+
+
 def batch_plan(n: int, task: TrainTask, gen: torch.Generator) -> list[torch.Tensor]:
-    """Index batches for one round: successive random permutations of 0..n-1 cut into batches of
-    `batch_size` (the last batch of an epoch may be smaller), for `epochs` passes or `steps` steps."""
-    if n == 0:
-        return []
-    batches: list[torch.Tensor] = []
-    limit = task.steps if task.steps is not None else (task.epochs or 0) * -(-n // task.batch_size)
-    while len(batches) < limit:
-        perm = torch.randperm(n, generator=gen)
-        batches.extend(perm[i:i + task.batch_size] for i in range(0, n, task.batch_size))
-    return batches[:limit]
+    """`batch_table`'s batches as a list of index tensors (the reference loop's form)."""
+    rows, sizes = batch_table(n, task, gen)
+    return [r[:s] for r, s in zip(rows, sizes.tolist())]
 
 
 def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from coordinator.sim import batched
 from coordinator.sim.batched import BatchedEngine, Group
 from edge_client.models import build_model, get_flat
-from edge_client.trainer import TrainTask, batch_plan, client_generator
+from edge_client.trainer import TrainTask, batch_plan, batch_table, client_generator
 
 
 def _data(sizes: list[int], shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -85,10 +85,11 @@ def test_step_tables_equal_the_per_step_construction() -> None:
              TrainTask(client=3, round=0, lr=0.1, batch_size=3, epochs=1, seed=2),
              TrainTask(client=4, round=0, lr=0.1, batch_size=4, steps=1, seed=2)]
     plans = [batch_plan(sizes[t.client], t, client_generator(t.seed, t.round, t.client)) for t in tasks]
+    tables = [batch_table(sizes[t.client], t, client_generator(t.seed, t.round, t.client)) for t in tasks]
     order = sorted(range(len(tasks)), key=lambda i: -len(plans[i]))   # as `Group._train` sorts them
-    tasks, plans = [tasks[i] for i in order], [plans[i] for i in order]
+    tasks, plans, tables = [tasks[i] for i in order], [plans[i] for i in order], [tables[i] for i in order]
     data_idx = [t.client for t in tasks]
-    got = list(group._steps(tasks, plans, data_idx))
+    got = list(group._steps(tasks, tables, data_idx))
     want = list(_steps_per_step(group, tasks, plans, data_idx))
     assert len(got) == len(want) == max(len(p) for p in plans)
     for step, (k, rows, y, weight, n) in zip(got, want):

@@ -120,9 +120,10 @@ def _raw_outputs(variant: str, ins: list[torch.Tensor]) -> bytes:
     y = torch.empty(b * ((hh - 4) // 2) * ((ww - 4) // 2) * k * o)
     arg = torch.empty(y.numel(), dtype=torch.uint8)
     gw, gb = torch.empty_like(w), torch.empty_like(bias)
-    p = [t.data_ptr() for t in (x, rows, w, bias, y, arg)]
+    xs = kernels.split_images(x, 5, variant)   # the images as the first layer reads them
+    p = [t.data_ptr() for t in (xs, rows, w, bias, y, arg)]
     lib.dropfl_conv_pool_fwd_f32(*p, b, hh, ww, k, cin, o, 5, 5)
-    lib.dropfl_conv_pool_bwd_f32(x.data_ptr(), rows.data_ptr(), gy.data_ptr(), arg.data_ptr(), gw.data_ptr(),
+    lib.dropfl_conv_pool_bwd_f32(xs.data_ptr(), rows.data_ptr(), gy.data_ptr(), arg.data_ptr(), gw.data_ptr(),
                                  gb.data_ptr(), b, hh, ww, k, cin, o, 5, 5)
     y2 = torch.empty(gy2.numel())
     arg2 = torch.empty(y2.numel(), dtype=torch.uint8)
@@ -324,6 +325,31 @@ def test_the_fma_variants_compute_the_same_bits() -> None:
     assert runs[0].abs().max() > 1e-4
     for other in runs[1:]:
         assert torch.equal(runs[0], other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_images_split_once_give_the_bits_of_the_step_split(variant: str, dtype: torch.dtype) -> None:
+    """The engine splits its images once (`split_images`, shared by its workers); a caller without the
+    split gets the step's images split per call: the layer's output, routing and gradients are the same
+    bits either way (only where the kernel reads its inputs from differs). A split of the wrong shape or
+    dtype is refused, since the kernel reads it unchecked."""
+    g = torch.Generator().manual_seed(7)
+    for cin, side in ((1, 28), (3, 32), (2, 27)):
+        x_all = torch.randn(12, cin, side, side, generator=g).to(dtype)
+        rows = torch.randint(0, 12, (3, 5), generator=g)
+        w, b = (torch.randn(18, cin, 5, 5, generator=g) * 0.2).to(dtype), (torch.randn(18, generator=g) * 0.2).to(dtype)
+        outs = []
+        for x_split in (None, kernels.split_images(x_all, 5, variant)):
+            wv, bv = w.clone().requires_grad_(), b.clone().requires_grad_()
+            y = kernels.conv_pool_relu(x_all, rows, wv, bv, variant, x_split)
+            grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y)).sum(), [wv, bv])
+            outs.append((y.detach(), *grads))
+        assert all(torch.equal(a, c) for a, c in zip(*outs)) and outs[0][1].abs().max() > 0
+    x_all = torch.rand(4, 1, 28, 28)
+    good = kernels.split_images(x_all, 5, variant)
+    for bad in (good[:3], good.double(), good[:, :-1], kernels.split_images(x_all, 3, variant)):
+        with pytest.raises(ValueError, match="is not split_images"):
+            kernels.conv_pool_relu(x_all, torch.tensor([[0, 1]]), torch.rand(6, 1, 5, 5), torch.rand(6), variant, bad)
 
 
 def test_mixed_dtypes_and_bad_indices_are_refused() -> None:

@@ -10,7 +10,7 @@ matmuls on [K, B, F]. Each client's loss only depends on its own slice, so one b
 Σ_k loss_k gives every client exactly the gradient `local_train` computes for it.
 
 Exactness, client by client (see docs/engine.md):
-- batches: `batch_plan` is replayed with the client's own `client_generator`;
+- batches: `batch_plan`'s table (`batch_table`) is replayed with the client's own `client_generator`;
 - dropout masks: drawn from that same generator, with the client's real batch shape, in the
   model's forward order, after the plan (as `local_train` does);
 - a smaller batch (last batch of an epoch, smaller data set) is padded to the round's batch width;
@@ -45,7 +45,7 @@ from coordinator.sim import kernels
 from coordinator.sim.kernels import conv2_pool_relu, conv_pool_relu
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
-from edge_client.trainer import LocalResult, TrainTask, batch_plan, client_generator
+from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
 
 
 @dataclass
@@ -64,9 +64,11 @@ class _Batch:
     """The active clients' parameters and this step's batch; batched layers for the model forwards."""
 
     def __init__(self, params: dict[str, torch.Tensor], step: _Step, gens: list[torch.Generator],
-                 x_all: torch.Tensor, native: str | None = None):
-        # native: the kernel variant that runs the fused layers (coordinator/sim/kernels), None: torch ops
+                 x_all: torch.Tensor, native: str | None = None, x_split: torch.Tensor | None = None):
+        # native: the kernel variant that runs the fused layers (coordinator/sim/kernels), None: torch ops;
+        # x_split: x_all as that variant's first-layer kernel reads it (`kernels.split_images`)
         self.p, self.s, self.gens, self.x_all, self.native = params, step, gens, x_all, native
+        self.x_split = x_split
         self.k, self.b = step.rows.shape
 
     # inputs -------------------------------------------------------------------------------------
@@ -92,7 +94,7 @@ class _Batch:
         (relu after the pool, as in `_lenet`: same values and gradient routing, 4x fewer elements.)"""
         if self.native:
             return conv_pool_relu(self.x_all, self.s.rows, self.p[name + ".weight"].flatten(0, 1),
-                                  self.p[name + ".bias"].reshape(-1), self.native)
+                                  self.p[name + ".bias"].reshape(-1), self.native, self.x_split)
         return torch.relu(max_pool(self.conv(self.images(), name)))
 
     def conv2_pool_relu(self, h: torch.Tensor, name: str) -> torch.Tensor:
@@ -205,6 +207,14 @@ def native_fits(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> 
             and x_all.dtype in (torch.float32, torch.float64))
 
 
+def split_for(model: nn.Module, x_all: torch.Tensor, variant: str | None) -> torch.Tensor | None:
+    """The images as `variant`'s first-layer kernel reads them (`kernels.split_images`), made once per
+    engine: None without kernels. The LeNets' first layer is `conv1` (`_lenet`, `_fdms`)."""
+    if variant is None:
+        return None
+    return kernels.split_images(x_all, model.conv1.kernel_size[1], variant)
+
+
 def kernel_variant(native: bool | str, model: nn.Module, x_all: torch.Tensor, device: torch.device) -> str | None:
     """The kernel variant that runs the fused layers, or None (torch ops). `native`: True = this process's
     choice (`kernels.requested()`: $DROPFL_KERNEL, else the best for this CPU), a variant's name = that one
@@ -221,12 +231,15 @@ class Group:
 
     def __init__(self, model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
                  sizes: list[int], device: str | torch.device = "cpu", threads: int = 1,
-                 native: bool | str = True):
+                 native: bool | str = True, x_split: torch.Tensor | None = None):
         self.model, self.forward, self.threads = model, batched_forward(model), threads
         self.device = torch.device(device)
         self.x_all, self.y_all = x_all.to(self.device).contiguous(), y_all.to(self.device)
         # the fused layers (coordinator/kernels) where they can run: CPU, float32/64 images; the variant's name
         self.native = kernel_variant(native, model, self.x_all, self.device)
+        # the images split once for the first-layer kernel (BatchedEngine makes it once for all its workers)
+        self.x_split = (x_split if x_split is not None or self.native is None
+                        else split_for(model, self.x_all, self.native))
         self.offsets, self.sizes = offsets, sizes
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
@@ -250,9 +263,9 @@ class Group:
         t_start = time.perf_counter()
         data = [t.client for t in tasks] if data is None else list(data)
         gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
-        plans = [batch_plan(self.sizes[d], t, g) for t, d, g in zip(tasks, data, gens)]
+        plans = [batch_table(self.sizes[d], t, g) for t, d, g in zip(tasks, data, gens)]   # (rows, sizes)
         # most steps first: the clients still training at any step are then a prefix
-        order = sorted(range(len(tasks)), key=lambda i: -len(plans[i]))
+        order = sorted(range(len(tasks)), key=lambda i: -len(plans[i][1]))
         tasks, gens, plans = [tasks[i] for i in order], [gens[i] for i in order], [plans[i] for i in order]
         data = [data[i] for i in order]
         k_all, dev = len(tasks), self.device
@@ -292,7 +305,7 @@ class Group:
         for step in self._steps(tasks, plans, data):
             k = step.k
             live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
-            z = _Batch(live, step, gens[:k], self.x_all, self.native)
+            z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
             logits = self.forward(self.model, z)
             ce = F.cross_entropy(logits.reshape(k * z.b, -1), step.y.reshape(-1), reduction="none").view(k, z.b)
             loss = (ce * step.weight).sum(1) / step.size.to(ce.dtype)   # each client's mean over its real rows
@@ -317,27 +330,27 @@ class Group:
         seconds = time.perf_counter() - t_start
         out: list[LocalResult | None] = [None] * k_all
         for j, i in enumerate(order):
-            steps = len(plans[j])
+            steps = len(plans[j][1])
             out[i] = LocalResult(deltas[j].clone(), self.sizes[data[j]], steps,
                                  float(loss_sum[j]) / max(steps, 1), seconds)
         return out  # type: ignore[return-value]
 
-    def _steps(self, tasks: list[TrainTask], plans: list[list[torch.Tensor]], data: list[int]):
-        """Yield one `_Step` per step: the active prefix's padded index rows, labels, weights, sizes."""
-        width = max([t.batch_size for t, p in zip(tasks, plans) if p], default=1)
+    def _steps(self, tasks: list[TrainTask], plans: list[tuple[torch.Tensor, torch.Tensor]], data: list[int]):
+        """Yield one `_Step` per step: the active prefix's padded index rows, labels, weights, sizes.
+        `plans`: each task's `batch_table` (rows [steps, batch_size], -1 past a batch's end; sizes)."""
+        width = max([t.batch_size for t, (_, n) in zip(tasks, plans) if len(n)], default=1)
         padded = []
-        for d, plan in zip(data, plans):
-            if not plan:
+        for d, (rows, sizes) in zip(data, plans):
+            if not len(sizes):
                 padded.append((torch.zeros(0, width, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
                 continue
-            sizes = torch.tensor([len(b) for b in plan])
-            rows = torch.nn.utils.rnn.pad_sequence(plan, batch_first=True, padding_value=-1)
+            rows = rows[:, :int(sizes.max())]   # as wide as its widest batch (a client with < batch_size samples)
             if rows.shape[1] < width:
                 rows = F.pad(rows, (0, width - rows.shape[1]), value=-1)
             pad = rows < 0
             rows = torch.where(pad, rows[:, :1], rows) + self.offsets[d]   # pad with a real row
             padded.append((rows, sizes))
-        n_steps = [len(p) for p in plans]
+        n_steps = [len(n) for _, n in plans]
         total = max(n_steps, default=0)
         if total == 0:
             return
@@ -396,12 +409,12 @@ def _keep_freed_memory() -> None:
 
 
 def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
-                 sizes: list[int], threads: int, native: bool | str) -> None:
+                 sizes: list[int], threads: int, native: bool | str, x_split: torch.Tensor | None = None) -> None:
     global _WORKER
     _die_with_parent()
     _keep_freed_memory()
     torch.set_num_threads(threads)
-    _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads, native=native)
+    _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads, native=native, x_split=x_split)
 
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
@@ -449,9 +462,12 @@ class BatchedEngine:
         self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant) if workers == 0 else None
         if workers > 0:
             import torch.multiprocessing as tmp
+            # the first-layer kernel's split images, made here once and shared like the data
+            x_split = split_for(model, x_all, self.native)
             self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
                                             initargs=(model, x_all.share_memory_(), y_all.share_memory_(),
-                                                      offsets, sizes, threads, variant))
+                                                      offsets, sizes, threads, variant,
+                                                      None if x_split is None else x_split.share_memory_()))
 
     def describe(self) -> str:
         """What trains the tasks, as recorded in metrics.jsonl's `engine`: "batched+native(<variant>)"

@@ -10,6 +10,8 @@
 #include <vector>
 
 extern "C" {
+int64_t dropfl_split_size_f32(int64_t, int64_t, int64_t, int64_t);
+void dropfl_split_images_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
 void dropfl_conv_pool_fwd_f32(const float*, const int64_t*, const float*, const float*, float*, uint8_t*, int64_t,
                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 void dropfl_conv_pool_bwd_f32(const float*, const int64_t*, const float*, const uint8_t*, float*, float*, int64_t,
@@ -50,8 +52,11 @@ int main(int argc, char** argv) {
 
   std::vector<float> y(B * Hp * Wp * K * O), gw(w.size()), gb(bias.size());
   std::vector<uint8_t> arg(K * B * O * Hp * Wp);
-  dropfl_conv_pool_fwd_f32(x.data(), rows.data(), w.data(), bias.data(), y.data(), arg.data(), B, H, W, K, Cin, O, 5, 5);
-  dropfl_conv_pool_bwd_f32(x.data(), rows.data(), gy.data(), arg.data(), gw.data(), gb.data(), B, H, W, K, Cin, O, 5, 5);
+  // the first layer reads the images split into even and odd columns (its padded width is the target's)
+  std::vector<float> xs(N * dropfl_split_size_f32(H, W, Cin, 5));
+  dropfl_split_images_f32(x.data(), N, H, W, Cin, 5, xs.data());
+  dropfl_conv_pool_fwd_f32(xs.data(), rows.data(), w.data(), bias.data(), y.data(), arg.data(), B, H, W, K, Cin, O, 5, 5);
+  dropfl_conv_pool_bwd_f32(xs.data(), rows.data(), gy.data(), arg.data(), gw.data(), gb.data(), B, H, W, K, Cin, O, 5, 5);
   std::vector<float> y2(K * B * O2 * Hp2 * Wp2), gh(h.size()), gw2(w2.size()), gb2(b2.size());
   std::vector<uint8_t> arg2(y2.size());
   if (dropfl_conv2_pool_fwd_f32(h.data(), w2.data(), b2.data(), y2.data(), arg2.data(), B, H2, W2, K, 6, O2, 5, 5) ||

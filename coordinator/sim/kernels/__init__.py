@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -57,13 +58,14 @@ _errors: dict[str, str] = {}
 _chosen: str | None = None   # the variant `load()` without an argument picked
 
 
-def _cpu_flags() -> set[str] | None:
+@functools.cache   # read once: the kernels' entry points check their variant on every call
+def _cpu_flags() -> frozenset[str] | None:
     """The CPU's feature flags from /proc/cpuinfo ("flags" on x86, "Features" on ARM); None without it."""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             for ln in f:
                 if ln.startswith(("flags", "Features")):
-                    return set(ln.split(":", 1)[1].split())
+                    return frozenset(ln.split(":", 1)[1].split())
     return None
 
 
@@ -163,6 +165,11 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                     fn = getattr(lib, f"dropfl_{name}_{suffix}")
                     fn.argtypes = [ptr] * pointers + [i64] * 8
                     fn.restype = ctypes.c_int if name.startswith("conv2") else None
+            for suffix in ("f32", "f64"):
+                fn = getattr(lib, f"dropfl_split_size_{suffix}")
+                fn.argtypes, fn.restype = [i64] * 4, i64
+                fn = getattr(lib, f"dropfl_split_images_{suffix}")
+                fn.argtypes, fn.restype = [ptr, i64, i64, i64, i64, i64, ptr], None
             _libs[variant] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _errors[variant] = str(e)
@@ -218,32 +225,59 @@ def _check_dtypes(name: str, *ts: torch.Tensor) -> None:
         raise TypeError(f"{name}: dtypes {[str(t.dtype) for t in ts]}: need one dtype, float32 or float64")
 
 
+def split_images(x: torch.Tensor, kernel_width: int, variant: str | None = None) -> torch.Tensor:
+    """Images [N, Cin, H, W] as the first-layer kernel reads them: each row's even and odd columns apart,
+    zero-padded to a width that depends on the variant's vector width, [N, Cin·H·2·PW] (same dtype).
+    The engine splits its data once (coordinator/sim/batched.py, `Group`); `conv_pool_relu` then
+    takes the split images instead of splitting the step's images in every forward and backward."""
+    lib = _lib(variant)
+    _check_dtypes("split_images", x)
+    x = x.contiguous()
+    n, cin, h, wd = x.shape
+    f64 = x.dtype == torch.float64
+    size = (lib.dropfl_split_size_f64 if f64 else lib.dropfl_split_size_f32)(h, wd, cin, kernel_width)
+    out = torch.empty((n, size), dtype=x.dtype)
+    (lib.dropfl_split_images_f64 if f64 else lib.dropfl_split_images_f32)(_ptr(x), n, h, wd, cin, kernel_width,
+                                                                          _ptr(out))
+    return out
+
+
 class ConvPoolRelu(torch.autograd.Function):
     """relu(max_pool2d(conv2d(x_k, w_k, b_k), 2)) for K clients, fused (coordinator/sim/kernels/conv_pool.cpp).
 
     x_all [N, Cin, H, W] (all preloaded images), rows [K, B] (client k's b-th sample is x_all[rows[k, b]]),
     w [K·O, Cin, R, S], bias [K·O] → [B, K·O, Hp, Wp] in channels-last memory, as the grouped
     convolution, max-pool and relu of the torch path would give it. Gradients for w and bias only.
+    `x_split`: `split_images(x_all, S, variant)` made once by the caller (without it, the step's images
+    are split here, once for the forward and the backward).
     """
 
     @staticmethod
     def forward(ctx, x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
-                variant: str | None = None) -> torch.Tensor:
+                variant: str | None = None, x_split: torch.Tensor | None = None) -> torch.Tensor:
         lib = _lib(variant)
         _check_dtypes("conv_pool_relu", x_all, w, bias)
         k, b = rows.shape
         _, cin, h, wd = x_all.shape
-        # the kernel reads x_all[rows[k, b]] unchecked: indices must be int64 and in range
+        # the kernel reads image rows[k, b] unchecked: indices must be int64 and in range
         if rows.dtype != torch.int64 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= len(x_all))):
             raise IndexError(f"conv_pool_relu: rows must be int64 indices into the {len(x_all)} images")
         o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
         hp, wp = (h - r + 1) // 2, (wd - s + 1) // 2
-        x_all, rows, w, bias = x_all.contiguous(), rows.contiguous(), w.contiguous(), bias.contiguous()
+        if x_split is None:   # split only the step's images; row i of the split is rows.flatten()[i]
+            x_split = split_images(x_all[rows.reshape(-1)], s, variant)
+            rows = torch.arange(k * b, dtype=torch.int64).view(k, b)
+        else:
+            size = (lib.dropfl_split_size_f64 if w.dtype == torch.float64 else lib.dropfl_split_size_f32)(h, wd, cin, s)
+            if x_split.shape != (len(x_all), size) or x_split.dtype != w.dtype or not x_split.is_contiguous():
+                raise ValueError(f"conv_pool_relu: x_split {tuple(x_split.shape)} {x_split.dtype} is not "
+                                 f"split_images(x_all, {s}, {variant!r}): [{len(x_all)}, {size}] {w.dtype}")
+        rows, w, bias = rows.contiguous(), w.contiguous(), bias.contiguous()
         y = torch.empty((b, hp, wp, k * o), dtype=w.dtype)
         arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
         fwd = lib.dropfl_conv_pool_fwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv_pool_fwd_f32
-        fwd(_ptr(x_all), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, h, wd, k, cin, o, r, s)
-        ctx.save_for_backward(x_all, rows, arg)
+        fwd(_ptr(x_split), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, h, wd, k, cin, o, r, s)
+        ctx.save_for_backward(x_split, rows, arg)
         ctx.dims = (b, h, wd, k, cin, o, r, s)
         ctx.w_shape, ctx.lib = w.shape, lib
         return y.permute(0, 3, 1, 2)  # [B, K·O, Hp, Wp], channels-last in memory
@@ -251,19 +285,20 @@ class ConvPoolRelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
         lib = ctx.lib
-        x_all, rows, arg = ctx.saved_tensors
+        x_split, rows, arg = ctx.saved_tensors
         gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
         gw = torch.empty(ctx.w_shape, dtype=gy.dtype)
         gb = torch.empty(ctx.w_shape[0], dtype=gy.dtype)
         bwd = lib.dropfl_conv_pool_bwd_f64 if gy.dtype == torch.float64 else lib.dropfl_conv_pool_bwd_f32
-        bwd(_ptr(x_all), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *ctx.dims)
-        return None, None, gw, gb, None
+        bwd(_ptr(x_split), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *ctx.dims)
+        return None, None, gw, gb, None, None
 
 
 def conv_pool_relu(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
-                   variant: str | None = None) -> torch.Tensor:
-    """The first layer with `variant`'s kernels (default: the chosen variant, `chosen()`)."""
-    return ConvPoolRelu.apply(x_all, rows, w, bias, variant)
+                   variant: str | None = None, x_split: torch.Tensor | None = None) -> torch.Tensor:
+    """The first layer with `variant`'s kernels (default: the chosen variant, `chosen()`); `x_split`:
+    `split_images(x_all, S, variant)`, made once by a caller that trains many steps on the same images."""
+    return ConvPoolRelu.apply(x_all, rows, w, bias, variant, x_split)
 
 
 def inner_fits(in_channels: int, out_channels: int, kernel: tuple[int, int], dtype: torch.dtype) -> bool:

@@ -13,8 +13,9 @@
 //
 // ---- First layer -------------------------------------------------------------------------------
 // Arguments (all contiguous):
-//   x_all [N, Cin, H, W]  every client's preloaded images; rows [K, B] int64 picks the step's samples:
-//                         client k's b-th input is x_all[rows[k, b]]
+//   xs    [N, Cin, H, 2, PW]  every client's preloaded images, split into even and odd columns once
+//                         (`dropfl_split_images`, below); rows [K, B] int64 picks the step's samples:
+//                         client k's b-th input is image rows[k, b]
 //   w     [K*O, Cin, R, S], bias [K*O]   the grouped conv's parameters (client k: channels k*O..k*O+O-1)
 //   y     [B, Hp, Wp, K*O]   output, channels-last (what the next grouped conv reads fastest);
 //                            Hp = (H-R+1)/2, Wp = (W-S+1)/2 (floor, as max_pool2d)
@@ -25,9 +26,11 @@
 // Only the order in which each output's R*S*Cin products are summed differs from mkldnn (ulp-level).
 //
 // Vectorised over the output columns j of one pooled row (GCC/Clang vector extensions, no
-// intrinsics: the same source builds for AVX-512, AVX2, SSE2 or NEON). An image's columns are first split
+// intrinsics: the same source builds for AVX-512, AVX2, SSE2 or NEON). An image's columns are split
 // into even and odd ones, so that the conv output at column 2j+c, tap q, reads the contiguous run
-// (even or odd part)[j + (c+q)/2 ...]: every inner step is one vector load and O FMAs.
+// (even or odd part)[j + (c+q)/2 ...]: every inner step is one vector load and O FMAs. The split is
+// done once per image when the engine loads the data (it was done twice per image and step, ~5 % of
+// a step; its padded width PW depends on the vector width, so the split belongs to one variant).
 //
 // Portability. The vector width VB is the target's (64 bytes with AVX-512, 32 with AVX2, 16 otherwise:
 // SSE2, NEON) and the register blocks are sized for its register file (REGS). Neither changes the
@@ -95,6 +98,9 @@ void split_columns(const T* img, const Shape& s, T* split) {
   }
 }
 
+// Elements of one split image: [Cin][H][2][PW].
+inline int64_t split_size(const Shape& s) { return s.Cin * s.H * 2 * s.PW; }
+
 template <typename T>
 inline typename V<T>::type loadu(const T* p) {
   typename V<T>::type v;
@@ -138,14 +144,13 @@ inline auto pool_relu(typename V<T>::type v0, typename V<T>::type v1, typename V
 // OB output channels per register block (4*OB accumulators + 4 inputs must fit the vector registers:
 // `with_block`).
 template <typename T, int OB>
-void forward(const T* x_all, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg, const Shape& s) {
+void forward(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg, const Shape& s) {
   typedef typename V<T>::type vec;
   constexpr int L = V<T>::L;
-  std::vector<T> split(s.Cin * s.H * 2 * s.PW);
-  const int64_t img = s.Cin * s.H * s.W;
+  const int64_t img = split_size(s);
   for (int64_t b = 0; b < s.B; ++b) {    // sample-major: y[b] (all clients' channels) stays in cache
     for (int64_t k = 0; k < s.K; ++k) {
-      split_columns(x_all + rows[k * s.B + b] * img, s, split.data());
+      const T* split = xs + rows[k * s.B + b] * img;
       for (int64_t i = 0; i < s.Hp; ++i) {
         for (int64_t ch = 0; ch < s.chunks; ++ch) {
          const int64_t j0 = ch * L, nj = s.Wp - j0 < L ? s.Wp - j0 : L;
@@ -158,7 +163,7 @@ void forward(const T* x_all, const int64_t* rows, const T* w, const T* bias, T* 
             for (int64_t r = 0; r < s.R; ++r)
               for (int64_t q = 0; q < s.S; ++q) {
                 vec x[4];
-                window_inputs(split.data(), s, ci, i, r, q, j0, x);
+                window_inputs(split, s, ci, i, r, q, j0, x);
                 const T* wt = wk + (ci * s.R + r) * s.S + q;
                 for (int o = 0; o < OB; ++o)
                   for (int p = 0; p < 4; ++p) acc[p][o] += x[p] * wt[o * s.taps];
@@ -182,17 +187,16 @@ void forward(const T* x_all, const int64_t* rows, const T* w, const T* bias, T* 
 }
 
 template <typename T, int OB>
-void backward(const T* x_all, const int64_t* rows, const T* gy, const uint8_t* arg, T* gw, T* gb, const Shape& s) {
+void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg, T* gw, T* gb, const Shape& s) {
   typedef typename V<T>::type vec;
   constexpr int L = V<T>::L;
-  std::vector<T> split(s.Cin * s.H * 2 * s.PW);
   // every client's weight and bias gradient, [k][o][tap][slot] and [k][o][slot], by lane: column j is
   // logical lane j % (LOGICAL / sizeof(T)), i.e. slot (j / L) % G, lane j % L (one slot when VB = LOGICAL)
   std::vector<vec> acc_all(s.K * s.O * s.taps * G), db_all(s.K * s.O * G);
-  const int64_t img = s.Cin * s.H * s.W;
+  const int64_t img = split_size(s);
   for (int64_t b = 0; b < s.B; ++b) {    // sample-major: gy[b] (all clients' channels) stays in cache
     for (int64_t k = 0; k < s.K; ++k) {
-      split_columns(x_all + rows[k * s.B + b] * img, s, split.data());
+      const T* split = xs + rows[k * s.B + b] * img;
       for (int64_t i = 0; i < s.Hp; ++i) {
         for (int64_t ch = 0; ch < s.chunks; ++ch) {
           const int64_t j0 = ch * L, nj = s.Wp - j0 < L ? s.Wp - j0 : L;
@@ -220,7 +224,7 @@ void backward(const T* x_all, const int64_t* rows, const T* gy, const uint8_t* a
               for (int64_t r = 0; r < s.R; ++r)
                 for (int64_t q = 0; q < s.S; ++q) {
                   vec x[4];
-                  window_inputs(split.data(), s, ci, i, r, q, j0, x);
+                  window_inputs(split, s, ci, i, r, q, j0, x);
                   vec* d = acc + (o0 * s.taps + (ci * s.R + r) * s.S + q) * G;
                   for (int ob = 0; ob < OB; ++ob)
                     d[ob * s.taps * G] += g[0][ob] * x[0] + g[1][ob] * x[1] + g[2][ob] * x[2] + g[3][ob] * x[3];
@@ -456,17 +460,25 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
 extern "C" {
 
 #define DROPFL_ENTRY(T, suffix)                                                                              \
-  void dropfl_conv_pool_fwd_##suffix(const T* x_all, const int64_t* rows, const T* w, const T* bias, T* y,  \
+  int64_t dropfl_split_size_##suffix(int64_t H, int64_t W, int64_t Cin, int64_t S) {                         \
+    return split_size(make_shape<T>(0, H, W, 0, Cin, 0, 0, S));                                            \
+  }                                                                                                        \
+  void dropfl_split_images_##suffix(const T* x, int64_t n, int64_t H, int64_t W, int64_t Cin, int64_t S,    \
+                                    T* out) {                                                              \
+    const Shape s = make_shape<T>(0, H, W, 0, Cin, 0, 0, S);                                               \
+    for (int64_t i = 0; i < n; ++i) split_columns(x + i * Cin * H * W, s, out + i * split_size(s));        \
+  }                                                                                                        \
+  void dropfl_conv_pool_fwd_##suffix(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y,  \
                                      uint8_t* arg, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin, \
                                      int64_t O, int64_t R, int64_t S) {                                    \
     const Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                               \
-    with_block(O, [&](auto ob) { forward<T, decltype(ob)::value>(x_all, rows, w, bias, y, arg, s); });     \
+    with_block(O, [&](auto ob) { forward<T, decltype(ob)::value>(xs, rows, w, bias, y, arg, s); });     \
   }                                                                                                        \
-  void dropfl_conv_pool_bwd_##suffix(const T* x_all, const int64_t* rows, const T* gy, const uint8_t* arg, \
+  void dropfl_conv_pool_bwd_##suffix(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg, \
                                      T* gw, T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin, \
                                      int64_t O, int64_t R, int64_t S) {                                    \
     const Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                               \
-    with_block(O, [&](auto ob) { backward<T, decltype(ob)::value>(x_all, rows, gy, arg, gw, gb, s); });    \
+    with_block(O, [&](auto ob) { backward<T, decltype(ob)::value>(xs, rows, gy, arg, gw, gb, s); });    \
   }
 
 // The second layer's entry points take the LeNets' shape only (CIN = 6, 5x5 kernels, O <= 2 logical vectors):
