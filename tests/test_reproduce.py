@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import warnings
 
 import pytest
 from strategy_helpers import cache_dataset_loads
@@ -261,3 +262,16 @@ def test_wall_time_is_the_union_of_the_runs_sessions(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"round": 0, "elapsed": "x"}) + "\n")
     log(1000.0)
     assert sessions(run) is None
+
+
+@pytest.mark.parametrize("name", ["fdms-fig1", "fedlaavg-fig8"])
+def test_report_only_before_any_run_draws_empty_panels_without_warnings(name, tmp_path, capsys):
+    """--report-only on an empty run directory: a figure whose panels say there is nothing yet, and no
+    matplotlib warning about a legend without curves."""
+    args = ["reproduce", name, "--quick", "--report-only", "--no-progress", "--out", str(tmp_path / "runs"),
+            "--results", str(tmp_path / "res")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli.main(args) == 0
+    stem = QUICK[name][0]
+    assert (tmp_path / "res" / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"

@@ -215,7 +215,10 @@ def figure(preset: Preset, results: dict, out: Path) -> Path:
         ax.set_xlabel(preset.x_key.replace("_", " "))
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:   # --report-only before any run has evaluated: say so instead of an empty legend
+            ax.text(0.5, 0.5, "no evaluated runs yet", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(preset.title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
