@@ -238,8 +238,7 @@ class Group:
         # the fused layers (coordinator/kernels) where they can run: CPU, float32/64 images; the variant's name
         self.native = kernel_variant(native, model, self.x_all, self.device)
         # the images split once for the first-layer kernel (BatchedEngine makes it once for all its workers)
-        self.x_split = (x_split if x_split is not None or self.native is None
-                        else split_for(model, self.x_all, self.native))
+        self.x_split = x_split if x_split is not None else split_for(model, self.x_all, self.native)
         self.offsets, self.sizes = offsets, sizes
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
