@@ -22,6 +22,7 @@ estimates) see what the recorded run's strategy saw. Every run writes reports.js
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -35,7 +36,7 @@ import torch
 
 from coordinator.availability.models import RoundAvailability
 from coordinator.reports import task_row
-from coordinator.rundir import RunDir
+from coordinator.rundir import DIVERGED, RunDir
 from coordinator.statestore import referenced
 from coordinator.strategies.base import ClientUpdate, Strategy
 from coordinator.strategies.schedule import lr_at
@@ -102,6 +103,10 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
             rundir.checkpoint_refs = referenced(ck)
             if "transport" in ck and hasattr(transport, "load_state_dict"):  # absent in older checkpoints
                 transport.load_state_dict(ck["transport"])
+    if resume and rundir.file(DIVERGED).exists():   # a run that diverged is tried again from its checkpoint
+        log.warning("resuming a run that diverged (%s): %s", DIVERGED,
+                    json.loads(rundir.file(DIVERGED).read_text()).get("message"))
+        rundir.file(DIVERGED).unlink()
     if state is None:  # init only when not resuming: a table of N rows is not built twice
         state = strategy.init_state(cfg.n_clients, w0)
     plog = rundir.participation_log(resume_from_round=start if resume else None)
@@ -140,8 +145,10 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         if recorded is not None:
             updates = _recorded_reports(strategy, t, updates, tasks, recorded, avail.tasks or {}, told)
         w, state = strategy.aggregate(state, t, w, updates)
-        if not torch.isfinite(w).all():
-            raise FloatingPointError(f"round {t}: the global model is no longer finite (lr too high?)")
+        if not torch.isfinite(w).all():   # recorded in the run directory: a diverged run is a result (reproduce)
+            message = f"round {t}: the global model is no longer finite (lr too high?)"
+            rundir.write_json(DIVERGED, {"round": t, "message": message})
+            raise FloatingPointError(message)
         if updates:
             counters["uploads"] += strategy.uploads_per_round
             counters["client_uploads"] += strategy.uploads_per_round * len(updates)

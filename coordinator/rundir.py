@@ -9,6 +9,7 @@
     checkpoint.prev.pt the checkpoint before it, kept in case the last one is damaged
     state/, checkpoint.state/  --state-store disk: the per-client tables, and their copies for the checkpoints
     model.pt           final global model (state_dict)
+    diverged.json      the round at which the global model stopped being finite, if it did (the run stops there)
     log.txt, log.jsonl the run's log, human and machine-readable
     tb/, mlruns/       --track's TensorBoard events and MLflow file store (coordinator/tracking.py)
 
@@ -38,8 +39,9 @@ from coordinator.reports import ReportsLog
 # mode's), never anything else a user put there.
 RUN_FILES = ("config.json", "metrics.jsonl", "participation.csv", "reports.jsonl", "checkpoint.pt",
              "checkpoint.prev.pt", "model.pt", "model.onnx", "field.json", "field.jsonl", "log.txt", "log.jsonl",
-             "crash.log", "friends.jsonl", "telemetry.jsonl")
+             "crash.log", "friends.jsonl", "telemetry.jsonl", "diverged.json")
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
+DIVERGED = "diverged.json"   # {"round", "message"}: written by the round loop where the global model went non-finite
 STATE_DIRS = (statestore.LIVE, statestore.SNAPSHOTS)  # --state-store disk: RUN/state/, RUN/checkpoint.state/
 
 

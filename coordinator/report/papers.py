@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import config
-from coordinator.report.reproduce import mean_std, plan_run, run_stats
+from coordinator.report.reproduce import diverged_at, diverged_cell, mean_std, plan_run, run_stats
 
 HOLDS, FAILS, UNMEASURED = "holds", "DOES NOT HOLD", "not measured"
 
@@ -114,20 +114,20 @@ def run_preset(preset: Preset, trials: int, root: Path, results_dir: Path, *, ex
     wall = None
     if jobs:
         tick = time.perf_counter()
-        run_sweep(jobs, executor=executor, progress=progress, log=log)
+        run_sweep(jobs, executor=executor, progress=progress, log=log, diverged_ok=True)
         wall = time.perf_counter() - tick
     value = preset.value or final_accuracy
     ours: dict[str, dict[str, dict]] = {}
     for (method, setting), paths in cells.items():
         if not paths:
             continue
-        vals = [value(p) for _, p in paths]
+        vals = [None if diverged_at(p) is not None else value(p) for _, p in paths]   # diverged: left out
         got = [v for v in vals if v is not None]
         mean, std = mean_std(got) if got else (None, None)
         ours.setdefault(setting, {})[method] = {
             "mean": None if mean is None else round(mean, 3), "std": None if std is None else round(std, 3),
             "trials": [None if v is None else round(v, 3) for v in vals], "seeds": [t for t, _ in paths],
-            "runs": [str(p) for _, p in paths], "per_run": [run_stats(p) for _, p in paths]}
+            "runs": [str(p) for _, p in paths], "per_run": [run_stats(p) for _, p in paths], **diverged_cell(paths)}
     results = {"experiment": preset.name, "title": preset.title, "metric": preset.metric, "paper": preset.paper,
                "paper_note": preset.paper_note, "ours": ours,
                "runs_run": len(jobs), "wall_s": None if wall is None else round(wall, 1),
@@ -156,9 +156,12 @@ def verdict_lines(results: dict) -> list[str]:
 
 
 def _cell(c: dict | None) -> str:
+    if c and c["mean"] is None and c.get("diverged"):
+        return f"all {len(c['diverged'])} diverged"
     if not c or c["mean"] is None:
         return "–"
-    return f"{c['mean']:.2f} ± {c['std']:.2f} (n={sum(v is not None for v in c['trials'])})"
+    div = f", {len(c['diverged'])} diverged" if c.get("diverged") else ""
+    return f"{c['mean']:.2f} ± {c['std']:.2f} (n={sum(v is not None for v in c['trials'])}{div})"
 
 
 def markdown(preset: Preset, results: dict) -> str:
@@ -261,7 +264,7 @@ def table3_verdicts(ours: dict, taus: list[int]) -> list[dict]:
     """MimiC Table 3's orderings (ours[method][τ]): MimiC > MIFA > FedAvg, and MimiC the best of the five."""
     out = []
     for t in taus:
-        got = {m: c[str(t)]["mean"] for m, c in ours.items() if str(t) in c}
+        got = {m: c[str(t)]["mean"] for m, c in ours.items() if str(t) in c and c[str(t)]["mean"] is not None}
 
         def chain(_ours, got=got):
             ok = got["MimiC"] > got["MIFA"] > got["FedAvg"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from coordinator import config
 from coordinator.errors import UserError
-from coordinator.rundir import read_metrics
+from coordinator.rundir import DIVERGED, read_metrics
 
 _log = logging.getLogger("dropfl.reproduce")
 
@@ -86,6 +86,17 @@ def results_stem(tau_dist: str) -> str:
     return "mimic_table3" if tau_dist == "uniform" else f"mimic_table3_{tau_dist}"
 
 
+def diverged_at(path: Path) -> int | None:
+    """The round at which the run's global model went non-finite (its `diverged.json`), or None."""
+    p = path / DIVERGED
+    if not p.exists():
+        return None
+    try:
+        return int(json.loads(p.read_text())["round"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{p}: damaged (not {{\"round\": R, ...}}); remove it to run the run again") from None
+
+
 def finished(path: Path, rounds: int) -> bool:
     """A run is finished when its metrics reach the last round and the final model was written."""
     metrics = path / "metrics.jsonl"
@@ -118,7 +129,8 @@ def run_stats(path: Path, last: int = 5) -> dict:
     its last `last` evaluations (how noisy one final value is), its round time (Σ of the rounds' `seconds`, so a
     resumed run counts only the rounds it actually ran) and its sessions' spans of wall-clock time."""
     rows = read_metrics(path / "metrics.jsonl")
-    acc = [100 * r["accuracy"] for r in rows if r.get("accuracy") is not None][-last:]
+    # NaN where no round was evaluated (a run that diverged before its first evaluation)
+    acc = [100 * r["accuracy"] for r in rows if r.get("accuracy") is not None][-last:] or [float("nan")]
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     return {"last_mean": round(float(np.mean(acc)), 2), "last_std": round(float(np.std(acc)), 2),
             "last_min": round(min(acc), 2), "last_max": round(max(acc), 2), "last_n": len(acc),
@@ -192,17 +204,26 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
     log = log or _log.info
     cells, jobs = plan_grid(setup, methods, taus, trials, root, log, report_only)
     if jobs:
-        run_sweep(jobs, executor=executor, progress=progress, log=log)
+        run_sweep(jobs, executor=executor, progress=progress, log=log, diverged_ok=True)
     ours: dict[str, dict[str, dict]] = {}
     for (method, tau), paths in cells.items():
         if not paths:
             continue
-        finals, seeds = [curve(p)[1][-1] for _, p in paths], [t for t, _ in paths]
-        mean, std = mean_std(finals)
+        finals = [None if diverged_at(p) is not None else curve(p)[1][-1] for _, p in paths]
+        got = [x for x in finals if x is not None]
+        mean, std = mean_std(got) if got else (None, None)
         ours.setdefault(method, {})[str(tau)] = {
-            "mean": round(mean, 2), "std": round(std, 2), "trials": [round(x, 2) for x in finals],
-            "seeds": seeds, "runs": [str(p) for _, p in paths], "per_run": [run_stats(p) for _, p in paths]}
+            "mean": None if mean is None else round(mean, 2), "std": None if std is None else round(std, 2),
+            "trials": [None if x is None else round(x, 2) for x in finals],
+            "seeds": [t for t, _ in paths], "runs": [str(p) for _, p in paths],
+            "per_run": [run_stats(p) for _, p in paths], **diverged_cell(paths)}
     return ours
+
+
+def diverged_cell(paths: list[tuple[int, Path]]) -> dict:
+    """{"diverged": {seed: round}} for the cell's runs that diverged (left out of mean ± std), or {}."""
+    got = {str(t): r for t, p in paths if (r := diverged_at(p)) is not None}
+    return {"diverged": got} if got else {}
 
 
 def plan_run(path: Path, cfg: config.SimConfig, label: str, prefix: str, jobs: list, log, report_only: bool) -> bool:
@@ -213,7 +234,9 @@ def plan_run(path: Path, cfg: config.SimConfig, label: str, prefix: str, jobs: l
 
     if not same_setup(path, cfg):
         raise UserError(f"{path} holds a run with another setup; remove it or choose another --out")
-    if finished(path, cfg.run.rounds):
+    if (r := diverged_at(path)) is not None:
+        log(f"{prefix} {label}: diverged at round {r} ({path / DIVERGED}): counted as diverged, not run again")
+    elif finished(path, cfg.run.rounds):
         log(f"{prefix} {label}: done already, skipped")
     elif report_only:
         log(f"{prefix} {label}: not finished, left out of the table")
@@ -298,12 +321,13 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
         cells = []
         for t in taus:
             o = ours.get(m, {}).get(str(t))
-            cells.append(f"{o['mean']:.2f} ± {o['std']:.2f}" if o else "–")
+            cells.append(table3_cell(o))
             cells.append(f"{paper[m][str(t)]:.2f}" if str(t) in paper.get(m, {}) else "–")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "Checks (issue 3):", ""]
     for t in taus:
-        got = {m: ours[m][str(t)]["mean"] for m in methods if str(t) in ours.get(m, {})}
+        got = {m: ours[m][str(t)]["mean"] for m in methods
+               if str(t) in ours.get(m, {}) and ours[m][str(t)]["mean"] is not None}
         if {"MimiC", "MIFA", "FedAvg"} <= set(got):
             ok = got["MimiC"] >= got["MIFA"] >= got["FedAvg"]
             lines.append(f"- τmax = {t}: MimiC ≥ MIFA ≥ FedAvg: {'yes' if ok else 'NO'} "
@@ -316,6 +340,16 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
     if notes:
         lines += ["", f"Analysis of the differences (hand-written, kept beside this file): [{notes}]({notes})"]
     return "\n".join(lines) + "\n"
+
+
+def table3_cell(o: dict | None) -> str:
+    """mean ± std, with the count of diverged trials (left out of both) where any diverged."""
+    if not o:
+        return "–"
+    div = len(o.get("diverged", {}))
+    if o["mean"] is None:
+        return f"all {div} diverged" if div else "–"
+    return f"{o['mean']:.2f} ± {o['std']:.2f}" + (f" ({div} diverged)" if div else "")
 
 
 def trials_done(results: dict) -> str:
@@ -347,7 +381,8 @@ def evidence(results: dict, methods: list[str], taus: list[int]) -> list[str]:
             runs.setdefault(path, {"m": m, "taus": [], "seed": seed, "final": final, "r": r})["taus"].append(t)
     for row in runs.values():
         r = row["r"]
-        lines.append(f"| {row['m']} | {', '.join(map(str, row['taus']))} | {row['seed']} | {row['final']:.2f} | "
+        final = "diverged" if row["final"] is None else f"{row['final']:.2f}"
+        lines.append(f"| {row['m']} | {', '.join(map(str, row['taus']))} | {row['seed']} | {final} | "
                      f"{r['last_mean']:.2f} ± {r['last_std']:.2f} | {r['last_min']:.2f}-{r['last_max']:.2f} |")
     lines += ["", f"Mean over trials of each run's last-{n} mean:", "",
               "| method | " + " | ".join(f"τmax = {t}" for t in taus) + " |", "|---|" + "---:|" * len(taus)]

@@ -379,16 +379,25 @@ _WORKER: Group | None = None
 
 
 def _die_with_parent() -> None:
-    """Linux: ask the kernel to SIGTERM this worker when its parent dies. Without it, a killed
-    simulation (Ctrl-C twice, SIGKILL) left its workers training a slice for many minutes."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+    """End this worker when the process that started it dies. Without it, a killed simulation (Ctrl-C twice,
+    SIGKILL) left its workers training a slice for many minutes.
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            os._exit(1)
+    Written by hand (a daemon thread that polls the parent's pid) instead of Linux's PR_SET_PDEATHSIG, which
+    this used before: that signal fires when the parent *thread* that started the worker ends, not the
+    process. A lockstep sweep starts its workers from one run's thread, so when that run ended first (it
+    diverged, or had fewer rounds) its workers were killed under the other runs, and the pool's shutdown
+    then waited forever on a queue lock the dead worker held (found by tests/test_diverged.py)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    if parent != 1:
+        threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def _keep_freed_memory() -> None:

@@ -14,8 +14,9 @@
 
 Every executor gives each run the very files the serial executor gives it (model.pt, metrics except the
 timing fields `seconds` and `elapsed`: bitwise, tests/test_sweep.py). A job's `resume`/`overwrite` work as
-with `dropfl sim`. A failing job stops a serial sweep; in a lockstep group the other runs finish first, then
-the first failing job's error is raised.
+with `dropfl sim`. A failing job does not stop the sweep (serial or lockstep): every other job runs to its end,
+a line says which one failed and why, and then the first failing job's error is raised. (The ray executor
+gathers every task's result first, too.)
 """
 
 from __future__ import annotations
@@ -43,18 +44,29 @@ class Job:
 
 def run_sweep(jobs: list[Job], executor: str = "lockstep", progress: bool = True,
               log: Callable[[str], None] | None = None, max_runs: int = LOCKSTEP_RUNS,
-              address: str | None = None) -> list[Path]:
+              address: str | None = None, diverged_ok: bool = False) -> list[Path]:
     """Run `jobs`; return their run directories in order. `max_runs`: lockstep group size at most.
-    `address`: executor "ray"'s cluster (coordinator/scale/__init__.py `connected`)."""
+    `address`: executor "ray"'s cluster (coordinator/scale/__init__.py `connected`). `diverged_ok`: a run whose
+    global model went non-finite (FloatingPointError; its run directory has `diverged.json`) is a result, not
+    an error (`dropfl reproduce`: the paper's settings can diverge): said, not raised."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown sweep executor {executor!r} (choose from {', '.join(EXECUTORS)})")
     if executor == "ray":   # each run a Ray task on the cluster, gathered back (coordinator/scale/ray_sweep.py)
         from coordinator.scale.ray_sweep import run_on_ray
         return run_on_ray(jobs, address, progress, log)
     say = log or (lambda _line: None)
+    failed: list[Exception] = []   # a failing run does not stop the sweep: the others run, then the first error
+
+    def attempt(what: str, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - every run's failure is its own; KeyboardInterrupt still stops
+            failed.append(e)
+            say(f"{what}: failed ({str(e).splitlines()[0] if str(e) else type(e).__name__}); the sweep goes on")
+
     if executor == "serial":
         for k in range(len(jobs)):
-            _serial(jobs, k, progress, say)
+            attempt(jobs[k].label or str(jobs[k].out), lambda k=k: _serial(jobs, k, progress, say))
     elif executor == "lockstep":
         from coordinator.sim import lockstep
 
@@ -62,10 +74,15 @@ def run_sweep(jobs: list[Job], executor: str = "lockstep", progress: bool = True
             if reason is not None:
                 say(f"[{unit[0] + 1}/{len(jobs)}] {jobs[unit[0]].label or jobs[unit[0]].out}: not batched with "
                     f"other runs ({reason}); runs on its own")
-                _serial(jobs, unit[0], progress, say)
+                k = unit[0]
+                attempt(jobs[k].label or str(jobs[k].out), lambda k=k: _serial(jobs, k, progress, say))
                 continue
             say(f"lockstep: {len(unit)} runs together ({', '.join(jobs[i].label or str(jobs[i].out) for i in unit)})")
-            lockstep.run_group([jobs[i] for i in unit], progress, say)
+            attempt(f"lockstep group of {len(unit)}",
+                    lambda unit=unit: lockstep.run_group([jobs[i] for i in unit], progress, say))
+    failed = [e for e in failed if not (diverged_ok and isinstance(e, FloatingPointError))]
+    if failed:
+        raise failed[0]
     return [Path(job.out) for job in jobs]
 
 
