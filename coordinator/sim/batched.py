@@ -64,11 +64,13 @@ class _Batch:
     """The active clients' parameters and this step's batch; batched layers for the model forwards."""
 
     def __init__(self, params: dict[str, torch.Tensor], step: _Step, gens: list[torch.Generator],
-                 x_all: torch.Tensor, native: str | None = None, x_split: torch.Tensor | None = None):
+                 x_all: torch.Tensor, native: str | None = None, x_split: torch.Tensor | None = None,
+                 training: bool = True):
         # native: the kernel variant that runs the fused layers (coordinator/sim/kernels), None: torch ops;
-        # x_split: x_all as that variant's first-layer kernel reads it (`kernels.split_images`)
+        # x_split: x_all as that variant's first-layer kernel reads it (`kernels.split_images`);
+        # training: False = the model's eval mode (dropout passes its input through), for `Evaluator`
         self.p, self.s, self.gens, self.x_all, self.native = params, step, gens, x_all, native
-        self.x_split = x_split
+        self.x_split, self.training = x_split, training
         self.k, self.b = step.rows.shape
 
     # inputs -------------------------------------------------------------------------------------
@@ -116,7 +118,7 @@ class _Batch:
 
     def dropout(self, h: torch.Tensor, layer: SeededDropout, conv_layout: bool) -> torch.Tensor:
         """`SeededDropout.forward` per client: mask = rand(real batch shape, client generator) >= p."""
-        if layer.p == 0.0:
+        if layer.p == 0.0 or not self.training:
             return h
         if conv_layout:                      # h [B, K·C, H, W] → per-client feature shape (C, H, W)
             feat = (h.shape[1] // self.k, *h.shape[2:])
@@ -365,6 +367,58 @@ class Group:
             k = sum(1 for n in n_steps if n > j)
             r = rows[j, :k]
             yield _Step(k, r, self.y_all[r], weight[j, :k], size[j, :k], sizes_list[j][:k])
+
+
+class Evaluator:
+    """The coordinator's evaluation (`edge_client.trainer.evaluate`: accuracy and mean cross-entropy on the
+    test set, in batches of `batch`) through the batched engine's forward with its fused LeNet kernels:
+    one "client" (K = 1), the model's eval mode (no dropout). For the LeNets on the CPU that is ~10x less
+    CPU time than the model's own torch forward (mkldnn's NCHW convolutions and max-pool on 2,000 images;
+    docs/engine.md, "Evaluation"), which made evaluation a large share of a sweep's rounds.
+
+    Not bitwise the reference: the kernels sum each output's products in another order than mkldnn, so the
+    loss differs at the float rounding level (and an argmax at an exact near-tie could flip), as the
+    batched engine's training does. Every sample's logits depend only on that sample and the weights (one
+    sample after another inside the kernels, one GEMM per batch row block), so a run's metrics are the same
+    bits whatever else shares the process: resume, the lockstep and serial sweep executors and Ray agree.
+    `available()` is False (use the reference) where the model has no fused layers or no kernels build."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, native: bool | str = True,
+                 batch: int = 2000):
+        self.model, self.forward, self.batch = model, batched_forward(model), batch
+        self.x, self.y = x.contiguous(), y
+        self.native = kernel_variant(native, model, self.x, torch.device("cpu")) \
+            if self.forward in (_lenet, _fdms) else None
+        self.x_split = split_for(model, self.x, self.native)
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [p.shape for _, p in model.named_parameters()]
+
+    def available(self) -> bool:
+        return self.native is not None
+
+    def params(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Flat weights `w` as one client's parameter stacks ([1, *shape], linear weights transposed)."""
+        chunks = torch.split(w.to(self.x.dtype), [s.numel() for s in self.shapes])
+        return {n: _held(c.view(s)).unsqueeze(0).contiguous() for n, s, c in zip(self.names, self.shapes, chunks)}
+
+    @torch.no_grad()
+    def logits(self, params: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """The logits of test samples lo..hi-1, [hi - lo, classes]."""
+        rows = torch.arange(lo, hi).view(1, -1)
+        step = _Step(1, rows, self.y[lo:hi].view(1, -1), torch.ones(0), torch.ones(0), [hi - lo])
+        return self.forward(self.model, _Batch(params, step, [], self.x, self.native, self.x_split,
+                                               training=False))[0]
+
+    @torch.no_grad()
+    def __call__(self, w: torch.Tensor) -> tuple[float, float]:
+        """(accuracy, mean cross-entropy) of weights `w`, as `edge_client.trainer.evaluate` computes them."""
+        params, correct, loss, n = self.params(w), 0, 0.0, len(self.y)
+        for i in range(0, n, self.batch):
+            out, y = self.logits(params, i, min(i + self.batch, n)), self.y[i:i + self.batch]
+            loss += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(1) == y).sum())
+        n = max(n, 1)
+        return correct / n, loss / n
 
 
 def _held(t: torch.Tensor, stacked: bool = False) -> torch.Tensor:
