@@ -214,6 +214,11 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
+    """The kernel entry point `dropfl_<name>_f64` or `_f32` for tensors of `dtype`."""
+    return getattr(lib, f"dropfl_{name}_{'f64' if dtype == torch.float64 else 'f32'}")
+
+
 def _ok(status: int) -> None:
     """The second-layer entry points return -1 (and do nothing) for a shape they were not built for."""
     if status != 0:
@@ -234,11 +239,9 @@ def split_images(x: torch.Tensor, kernel_width: int, variant: str | None = None)
     _check_dtypes("split_images", x)
     x = x.contiguous()
     n, cin, h, wd = x.shape
-    f64 = x.dtype == torch.float64
-    size = (lib.dropfl_split_size_f64 if f64 else lib.dropfl_split_size_f32)(h, wd, cin, kernel_width)
+    size = _entry(lib, "split_size", x.dtype)(h, wd, cin, kernel_width)
     out = torch.empty((n, size), dtype=x.dtype)
-    (lib.dropfl_split_images_f64 if f64 else lib.dropfl_split_images_f32)(_ptr(x), n, h, wd, cin, kernel_width,
-                                                                          _ptr(out))
+    _entry(lib, "split_images", x.dtype)(_ptr(x), n, h, wd, cin, kernel_width, _ptr(out))
     return out
 
 
@@ -268,14 +271,14 @@ class ConvPoolRelu(torch.autograd.Function):
             x_split = split_images(x_all[rows.reshape(-1)], s, variant)
             rows = torch.arange(k * b, dtype=torch.int64).view(k, b)
         else:
-            size = (lib.dropfl_split_size_f64 if w.dtype == torch.float64 else lib.dropfl_split_size_f32)(h, wd, cin, s)
+            size = _entry(lib, "split_size", w.dtype)(h, wd, cin, s)
             if x_split.shape != (len(x_all), size) or x_split.dtype != w.dtype or not x_split.is_contiguous():
                 raise ValueError(f"conv_pool_relu: x_split {tuple(x_split.shape)} {x_split.dtype} is not "
                                  f"split_images(x_all, {s}, {variant!r}): [{len(x_all)}, {size}] {w.dtype}")
         rows, w, bias = rows.contiguous(), w.contiguous(), bias.contiguous()
         y = torch.empty((b, hp, wp, k * o), dtype=w.dtype)
         arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
-        fwd = lib.dropfl_conv_pool_fwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv_pool_fwd_f32
+        fwd = _entry(lib, "conv_pool_fwd", w.dtype)
         fwd(_ptr(x_split), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, h, wd, k, cin, o, r, s)
         ctx.save_for_backward(x_split, rows, arg)
         ctx.dims = (b, h, wd, k, cin, o, r, s)
@@ -289,7 +292,7 @@ class ConvPoolRelu(torch.autograd.Function):
         gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
         gw = torch.empty(ctx.w_shape, dtype=gy.dtype)
         gb = torch.empty(ctx.w_shape[0], dtype=gy.dtype)
-        bwd = lib.dropfl_conv_pool_bwd_f64 if gy.dtype == torch.float64 else lib.dropfl_conv_pool_bwd_f32
+        bwd = _entry(lib, "conv_pool_bwd", gy.dtype)
         bwd(_ptr(x_split), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *ctx.dims)
         return None, None, gw, gb, None, None
 
@@ -329,7 +332,7 @@ class Conv2PoolRelu(torch.autograd.Function):
         hl, w, bias = h.permute(0, 2, 3, 1).contiguous(), w.contiguous(), bias.contiguous()  # [B, H, W, K·Cin]
         y = torch.empty((k, b, o * hp * wp), dtype=w.dtype)
         arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
-        fwd = lib.dropfl_conv2_pool_fwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv2_pool_fwd_f32
+        fwd = _entry(lib, "conv2_pool_fwd", w.dtype)
         _ok(fwd(_ptr(hl), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, hh, wd, k, cin, o, r, s))
         ctx.save_for_backward(hl, w, arg)
         ctx.dims, ctx.lib = (b, hh, wd, k, cin, o, r, s), lib
@@ -342,7 +345,7 @@ class Conv2PoolRelu(torch.autograd.Function):
         gy = gy.contiguous()
         gh = torch.empty_like(hl)
         gw, gb = torch.empty_like(w), torch.empty(w.shape[0], dtype=w.dtype)
-        bwd = lib.dropfl_conv2_pool_bwd_f64 if w.dtype == torch.float64 else lib.dropfl_conv2_pool_bwd_f32
+        bwd = _entry(lib, "conv2_pool_bwd", w.dtype)
         _ok(bwd(_ptr(hl), _ptr(w), _ptr(gy), _ptr(arg), _ptr(gh), _ptr(gw), _ptr(gb), *ctx.dims))
         return gh.permute(0, 3, 1, 2), gw, gb, None, None
 
