@@ -7,6 +7,9 @@
 - The step tables: each step's index rows, labels, padding weights and batch sizes are sliced from
   tables built once per `train` call; they must equal, element for element, what the per-step
   construction gives (written out here as it was).
+- The LeNets' step by hand (`batched._lenet_step`): with both layers fused, each step's forward, loss and
+  gradients are computed without autograd, by the ops autograd runs; the weights and losses must be bitwise
+  those of the autograd path (`Group.by_hand = False`).
 """
 
 from __future__ import annotations
@@ -96,3 +99,40 @@ def test_step_tables_equal_the_per_step_construction() -> None:
         assert isinstance(step, batched._Step) and step.k == k and step.sizes == n
         assert torch.equal(step.rows, rows) and torch.equal(step.y, y) and torch.equal(step.weight, weight)
         assert torch.equal(step.size, torch.tensor(n, dtype=group.x_all.dtype))
+
+
+@pytest.mark.skipif(not __import__("coordinator.sim.kernels", fromlist=["x"]).available(),
+                    reason="the step by hand runs only with the fused kernels")
+@pytest.mark.parametrize("name,shape,dtype", [("mimic-cnn", (1, 28, 28), torch.float32),
+                                              ("mimic-cnn", (1, 28, 28), torch.float64),
+                                              ("cifar-lenet", (3, 32, 32), torch.float32)])
+def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    sizes = [40, 23, 16, 9, 0, 30]   # smaller last batches, fewer steps, an empty client
+    data = [(x.to(dtype), y) for x, y in _data(sizes, shape)]
+    x_all, y_all = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    model = build_model(name, shape, 10, seed=1).to(dtype)
+    w = get_flat(model)
+    corr = 0.01 * torch.randn(w.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    rounds = {   # one lr (the one-call update), several lrs with FedProx, a SCAFFOLD correction
+        "plain": [TrainTask(client=c, round=1, lr=0.05, batch_size=8, epochs=2, seed=3) for c in range(len(sizes))],
+        "prox": [TrainTask(client=c, round=1, lr=0.02 + 0.01 * c, batch_size=8, epochs=1, seed=3, prox_mu=0.1 * (c % 2))
+                 for c in range(len(sizes))],
+        "scaffold": [TrainTask(client=c, round=1, lr=0.05, batch_size=8, steps=3, seed=3, grad_correction=corr)
+                     for c in range(len(sizes))]}
+    for tasks in rounds.values():
+        out = {}
+        for by_hand in (True, False):
+            group = Group(model, x_all, y_all, offsets, sizes, threads=1)
+            assert group.by_hand, "the LeNet with both fused layers takes the step by hand"
+            group.by_hand = by_hand
+            out[by_hand] = group.train(w, tasks)
+        for a, b in zip(out[True], out[False]):
+            assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
+
+
+def test_models_without_both_fused_layers_use_autograd() -> None:
+    x, y = torch.rand(20, 1, 28, 28), torch.randint(0, 10, (20,))
+    assert not Group(build_model("fdms-cnn", (1, 28, 28)), x, y, [0], [20], native=True).by_hand
+    assert not Group(build_model("mimic-cnn", (1, 28, 28)), x, y, [0], [20], native=False).by_hand
+    assert not Group(build_model("mlp", (1, 28, 28)), x, y, [0], [20]).by_hand

@@ -152,6 +152,42 @@ def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
     return z.linear(torch.relu(z.linear(h, "fc2")), "fc3")
 
 
+def _lenet_step(z: _Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`_lenet`'s forward, the per-client loss and the gradients of every parameter, by hand, for the LeNets with
+    both fused layers: the very aten ops, on the very operands, that `torch.autograd.grad(loss.sum(), params)`
+    runs on `_lenet` (torch's derivative formulas for baddbmm, relu, log_softmax, nll_loss, mul, sum and div),
+    so the gradients are bitwise autograd's (tests/test_batched_fastpath.py) without building a graph each
+    step. Returns (loss [K], {name: gradient}) with the parameters' shapes."""
+    p, k, b, st = z.p, z.k, z.b, z.s
+    h1, saved1 = kernels.conv_pool_fwd(z.x_all, st.rows, p["conv1.weight"].flatten(0, 1),
+                                       p["conv1.bias"].reshape(-1), z.native, z.x_split)
+    h2, saved2 = kernels.conv2_pool_fwd(h1, p["conv2.weight"].flatten(0, 1), p["conv2.bias"].reshape(-1), k, z.native)
+    w1, w2, w3 = p["fc1.weight"], p["fc2.weight"], p["fc3.weight"]   # held transposed: [K, in, out]
+    r1 = torch.relu(torch.baddbmm(p["fc1.bias"].unsqueeze(1), h2, w1))
+    r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
+    logits = torch.baddbmm(p["fc3.bias"].unsqueeze(1), r2, w3)
+    # F.cross_entropy(reduction="none") = nll_loss(log_softmax(x, 1)); then each client's mean over its real rows
+    lsm = torch.log_softmax(logits.reshape(k * b, -1), 1)
+    target = st.y.reshape(-1)
+    ce, total_weight = torch.ops.aten.nll_loss_forward(lsm, target, None, 0, -100)
+    size = st.size.to(ce.dtype)
+    loss = (ce.view(k, b) * st.weight).sum(1) / size
+    # backward, node by node as autograd runs it: sum → div → sum(1) → mul → nll_loss → log_softmax → fc3 ...
+    g = (torch.ones(k, dtype=loss.dtype) / size).unsqueeze(1).expand(k, b) * st.weight
+    g = torch.ops.aten.nll_loss_backward(g.reshape(-1), lsm, target, None, 0, -100, total_weight)
+    g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
+    grads = {"fc3.bias": g.sum(1), "fc3.weight": r2.transpose(1, 2).bmm(g)}   # baddbmm: sum_to(grad), b1ᵀ·grad
+    g = torch.ops.aten.threshold_backward(g.bmm(w3.transpose(1, 2)), r2, 0)   # grad·b2ᵀ, then relu's
+    grads |= {"fc2.bias": g.sum(1), "fc2.weight": r1.transpose(1, 2).bmm(g)}
+    g = torch.ops.aten.threshold_backward(g.bmm(w2.transpose(1, 2)), r1, 0)
+    grads |= {"fc1.bias": g.sum(1), "fc1.weight": h2.transpose(1, 2).bmm(g)}
+    gh, gw2, gb2 = kernels.conv2_pool_bwd(saved2, g.bmm(w1.transpose(1, 2)))
+    gw1, gb1 = kernels.conv_pool_bwd(saved1, gh)
+    grads |= {"conv2.weight": gw2.view(p["conv2.weight"].shape), "conv2.bias": gb2.view(k, -1),
+              "conv1.weight": gw1.view(p["conv1.weight"].shape), "conv1.bias": gb1.view(k, -1)}
+    return loss, grads
+
+
 def _fdms(m: FdmsMnistCNN, z: _Batch) -> torch.Tensor:
     h = z.conv_pool_relu("conv1")
     h = torch.relu(max_pool(z.dropout(z.conv(h, "conv2"), m.drop2d, conv_layout=True)))
@@ -242,6 +278,11 @@ class Group:
         # the images split once for the first-layer kernel (BatchedEngine makes it once for all its workers)
         self.x_split = x_split if x_split is not None else split_for(model, self.x_all, self.native)
         self.offsets, self.sizes = offsets, sizes
+        # mimic-cnn, cifar-lenet with both layers fused: each step's gradients by hand (`_lenet_step`), no autograd
+        conv2 = getattr(model, "conv2", None)
+        self.by_hand = (self.forward is _lenet and self.native is not None
+                        and kernels.inner_fits(conv2.in_channels, conv2.out_channels, conv2.kernel_size,
+                                               self.x_all.dtype))
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
 
@@ -305,12 +346,17 @@ class Group:
         loss_sum = torch.zeros(k_all, dtype=torch.float64, device=dev)
         for step in self._steps(tasks, plans, data):
             k = step.k
-            live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
-            z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
-            logits = self.forward(self.model, z)
-            ce = F.cross_entropy(logits.reshape(k * z.b, -1), step.y.reshape(-1), reduction="none").view(k, z.b)
-            loss = (ce * step.weight).sum(1) / step.size.to(ce.dtype)   # each client's mean over its real rows
-            grads = torch.autograd.grad(loss.sum(), list(live.values()))
+            if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
+                live = {n: p[:k] for n, p in params.items()}
+                loss, by_name = _lenet_step(_Batch(live, step, gens[:k], self.x_all, self.native, self.x_split))
+                grads = tuple(by_name[n] for n in live)
+            else:
+                live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
+                z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
+                logits = self.forward(self.model, z)
+                ce = F.cross_entropy(logits.reshape(k * z.b, -1), step.y.reshape(-1), reduction="none").view(k, z.b)
+                loss = (ce * step.weight).sum(1) / step.size.to(ce.dtype)   # each client's mean over its real rows
+                grads = torch.autograd.grad(loss.sum(), list(live.values()))
             with torch.no_grad():
                 loss_sum[:k] += loss.detach().double()
                 if plain_sgd:   # w ← w − lr·g for every parameter in one call: the same add_ per tensor

@@ -245,6 +245,46 @@ def split_images(x: torch.Tensor, kernel_width: int, variant: str | None = None)
     return out
 
 
+def conv_pool_fwd(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                  variant: str | None = None, x_split: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+    """The first layer's forward without autograd (`ConvPoolRelu`'s arguments): the output [B, K·O, Hp, Wp]
+    (channels-last memory) and what `conv_pool_bwd` needs."""
+    lib = _lib(variant)
+    _check_dtypes("conv_pool_relu", x_all, w, bias)
+    k, b = rows.shape
+    _, cin, h, wd = x_all.shape
+    # the kernel reads image rows[k, b] unchecked: indices must be int64 and in range
+    if rows.dtype != torch.int64 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= len(x_all))):
+        raise IndexError(f"conv_pool_relu: rows must be int64 indices into the {len(x_all)} images")
+    o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
+    hp, wp = (h - r + 1) // 2, (wd - s + 1) // 2
+    if x_split is None:   # split only the step's images; row i of the split is rows.flatten()[i]
+        x_split = split_images(x_all[rows.reshape(-1)], s, variant)
+        rows = torch.arange(k * b, dtype=torch.int64).view(k, b)
+    else:
+        size = _entry(lib, "split_size", w.dtype)(h, wd, cin, s)
+        if x_split.shape != (len(x_all), size) or x_split.dtype != w.dtype or not x_split.is_contiguous():
+            raise ValueError(f"conv_pool_relu: x_split {tuple(x_split.shape)} {x_split.dtype} is not "
+                             f"split_images(x_all, {s}, {variant!r}): [{len(x_all)}, {size}] {w.dtype}")
+    rows, w, bias = rows.contiguous(), w.contiguous(), bias.contiguous()
+    y = torch.empty((b, hp, wp, k * o), dtype=w.dtype)
+    arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
+    _entry(lib, "conv_pool_fwd", w.dtype)(_ptr(x_split), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg),
+                                          b, h, wd, k, cin, o, r, s)
+    return y.permute(0, 3, 1, 2), ((x_split, rows, arg), ((b, h, wd, k, cin, o, r, s), w.shape, lib))
+
+
+def conv_pool_bwd(saved: tuple, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first layer's weight and bias gradients from `conv_pool_fwd`'s saved state and the output's
+    gradient gy [B, K·O, Hp, Wp] (a view of [B, Hp, Wp, K·O] memory, as the second layer's backward gives it)."""
+    (x_split, rows, arg), (dims, w_shape, lib) = saved
+    gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
+    gw = torch.empty(w_shape, dtype=gy.dtype)
+    gb = torch.empty(w_shape[0], dtype=gy.dtype)
+    _entry(lib, "conv_pool_bwd", gy.dtype)(_ptr(x_split), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *dims)
+    return gw, gb
+
+
 class ConvPoolRelu(torch.autograd.Function):
     """relu(max_pool2d(conv2d(x_k, w_k, b_k), 2)) for K clients, fused (coordinator/sim/kernels/conv_pool.cpp).
 
@@ -258,42 +298,13 @@ class ConvPoolRelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
                 variant: str | None = None, x_split: torch.Tensor | None = None) -> torch.Tensor:
-        lib = _lib(variant)
-        _check_dtypes("conv_pool_relu", x_all, w, bias)
-        k, b = rows.shape
-        _, cin, h, wd = x_all.shape
-        # the kernel reads image rows[k, b] unchecked: indices must be int64 and in range
-        if rows.dtype != torch.int64 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= len(x_all))):
-            raise IndexError(f"conv_pool_relu: rows must be int64 indices into the {len(x_all)} images")
-        o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
-        hp, wp = (h - r + 1) // 2, (wd - s + 1) // 2
-        if x_split is None:   # split only the step's images; row i of the split is rows.flatten()[i]
-            x_split = split_images(x_all[rows.reshape(-1)], s, variant)
-            rows = torch.arange(k * b, dtype=torch.int64).view(k, b)
-        else:
-            size = _entry(lib, "split_size", w.dtype)(h, wd, cin, s)
-            if x_split.shape != (len(x_all), size) or x_split.dtype != w.dtype or not x_split.is_contiguous():
-                raise ValueError(f"conv_pool_relu: x_split {tuple(x_split.shape)} {x_split.dtype} is not "
-                                 f"split_images(x_all, {s}, {variant!r}): [{len(x_all)}, {size}] {w.dtype}")
-        rows, w, bias = rows.contiguous(), w.contiguous(), bias.contiguous()
-        y = torch.empty((b, hp, wp, k * o), dtype=w.dtype)
-        arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
-        fwd = _entry(lib, "conv_pool_fwd", w.dtype)
-        fwd(_ptr(x_split), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, h, wd, k, cin, o, r, s)
-        ctx.save_for_backward(x_split, rows, arg)
-        ctx.dims = (b, h, wd, k, cin, o, r, s)
-        ctx.w_shape, ctx.lib = w.shape, lib
-        return y.permute(0, 3, 1, 2)  # [B, K·O, Hp, Wp], channels-last in memory
+        y, (tensors, ctx.meta) = conv_pool_fwd(x_all, rows, w, bias, variant, x_split)
+        ctx.save_for_backward(*tensors)
+        return y
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
-        lib = ctx.lib
-        x_split, rows, arg = ctx.saved_tensors
-        gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
-        gw = torch.empty(ctx.w_shape, dtype=gy.dtype)
-        gb = torch.empty(ctx.w_shape[0], dtype=gy.dtype)
-        bwd = _entry(lib, "conv_pool_bwd", gy.dtype)
-        bwd(_ptr(x_split), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *ctx.dims)
+        gw, gb = conv_pool_bwd((ctx.saved_tensors, ctx.meta), gy)
         return None, None, gw, gb, None, None
 
 
@@ -311,6 +322,37 @@ def inner_fits(in_channels: int, out_channels: int, kernel: tuple[int, int], dty
     return in_channels == 6 and tuple(kernel) == (5, 5) and 0 < out_channels <= 2 * lanes
 
 
+def conv2_pool_fwd(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
+                   variant: str | None = None) -> tuple[torch.Tensor, tuple]:
+    """The second layer's forward without autograd (`Conv2PoolRelu`'s arguments): the output [K, B, O·Hp·Wp]
+    and what `conv2_pool_bwd` needs."""
+    lib = _lib(variant)
+    _check_dtypes("conv2_pool_relu", h, w, bias)
+    b, kc, hh, wd = h.shape
+    cin, o, r, s = kc // k, w.shape[0] // k, w.shape[2], w.shape[3]
+    if not inner_fits(cin, o, (r, s), w.dtype):
+        raise ValueError(f"conv2_pool_relu: no kernel for {cin}→{o} channels, {r}×{s}, {w.dtype} (see inner_fits)")
+    hp, wp = (hh - r + 1) // 2, (wd - s + 1) // 2
+    hl, w, bias = h.permute(0, 2, 3, 1).contiguous(), w.contiguous(), bias.contiguous()  # [B, H, W, K·Cin]
+    y = torch.empty((k, b, o * hp * wp), dtype=w.dtype)
+    arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
+    _ok(_entry(lib, "conv2_pool_fwd", w.dtype)(_ptr(hl), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg),
+                                              b, hh, wd, k, cin, o, r, s))
+    return y, ((hl, w, arg), ((b, hh, wd, k, cin, o, r, s), lib))
+
+
+def conv2_pool_bwd(saved: tuple, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The second layer's input, weight and bias gradients from `conv2_pool_fwd`'s saved state and the
+    output's gradient gy [K, B, O·Hp·Wp]; the input's is [B, K·Cin, H, W] in channels-last memory."""
+    (hl, w, arg), (dims, lib) = saved
+    gy = gy.contiguous()
+    gh = torch.empty_like(hl)
+    gw, gb = torch.empty_like(w), torch.empty(w.shape[0], dtype=w.dtype)
+    _ok(_entry(lib, "conv2_pool_bwd", w.dtype)(_ptr(hl), _ptr(w), _ptr(gy), _ptr(arg), _ptr(gh), _ptr(gw), _ptr(gb),
+                                              *dims))
+    return gh.permute(0, 3, 1, 2), gw, gb
+
+
 class Conv2PoolRelu(torch.autograd.Function):
     """relu(max_pool2d(conv2d(h, w, b, groups=K), 2)) on activations, fused (the LeNets' second layer).
 
@@ -322,32 +364,14 @@ class Conv2PoolRelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
                 variant: str | None = None) -> torch.Tensor:
-        lib = _lib(variant)
-        _check_dtypes("conv2_pool_relu", h, w, bias)
-        b, kc, hh, wd = h.shape
-        cin, o, r, s = kc // k, w.shape[0] // k, w.shape[2], w.shape[3]
-        if not inner_fits(cin, o, (r, s), w.dtype):
-            raise ValueError(f"conv2_pool_relu: no kernel for {cin}→{o} channels, {r}×{s}, {w.dtype} (see inner_fits)")
-        hp, wp = (hh - r + 1) // 2, (wd - s + 1) // 2
-        hl, w, bias = h.permute(0, 2, 3, 1).contiguous(), w.contiguous(), bias.contiguous()  # [B, H, W, K·Cin]
-        y = torch.empty((k, b, o * hp * wp), dtype=w.dtype)
-        arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
-        fwd = _entry(lib, "conv2_pool_fwd", w.dtype)
-        _ok(fwd(_ptr(hl), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg), b, hh, wd, k, cin, o, r, s))
-        ctx.save_for_backward(hl, w, arg)
-        ctx.dims, ctx.lib = (b, hh, wd, k, cin, o, r, s), lib
+        y, (tensors, ctx.meta) = conv2_pool_fwd(h, w, bias, k, variant)
+        ctx.save_for_backward(*tensors)
         return y
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
-        lib = ctx.lib
-        hl, w, arg = ctx.saved_tensors
-        gy = gy.contiguous()
-        gh = torch.empty_like(hl)
-        gw, gb = torch.empty_like(w), torch.empty(w.shape[0], dtype=w.dtype)
-        bwd = _entry(lib, "conv2_pool_bwd", w.dtype)
-        _ok(bwd(_ptr(hl), _ptr(w), _ptr(gy), _ptr(arg), _ptr(gh), _ptr(gw), _ptr(gb), *ctx.dims))
-        return gh.permute(0, 3, 1, 2), gw, gb, None, None
+        gh, gw, gb = conv2_pool_bwd((ctx.saved_tensors, ctx.meta), gy)
+        return gh, gw, gb, None, None
 
 
 def conv2_pool_relu(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
