@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import config
-from coordinator.report.reproduce import diverged_at, diverged_cell, mean_std, plan_run, run_stats
+from coordinator.report.reproduce import diverged_at, diverged_cell, finished_runs, mean_std, plan_run, run_stats
 
 HOLDS, FAILS, UNMEASURED = "holds", "DOES NOT HOLD", "not measured"
 
@@ -206,8 +206,8 @@ def figure(preset: Preset, results: dict, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(settings), figsize=(max(5 * len(settings), 8), 4.2), squeeze=False)
     for ax, st in zip(axes[0], settings):
         for m, c in results["ours"].get(st, {}).items():
-            per = [curve(Path(p), preset.x_key) for p in c["runs"]]
-            n = min(len(y) for _, y in per)
+            per = [curve(Path(p), preset.x_key) for p in finished_runs(c)]   # diverged runs left out
+            n = min((len(y) for _, y in per), default=0)
             if n == 0:
                 continue
             ys = np.array([y[:n] for _, y in per])

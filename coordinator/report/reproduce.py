@@ -220,6 +220,13 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
     return ours
 
 
+def finished_runs(cell: dict) -> list[str]:
+    """A cell's run directories less those that diverged: what its mean curve averages (a diverged run's
+    curve stops early and would cut every trial's curve there)."""
+    gone = cell.get("diverged", {})
+    return [p for p, seed in zip(cell["runs"], cell["seeds"]) if str(seed) not in gone]
+
+
 def diverged_cell(paths: list[tuple[int, Path]]) -> dict:
     """{"diverged": {seed: round}} for the cell's runs that diverged (left out of mean ± std), or {}."""
     got = {str(t): r for t, p in paths if (r := diverged_at(p)) is not None}
@@ -426,7 +433,9 @@ def figure(results: dict, methods: list[str], tau: int, out: Path) -> Path:
         cell = results["ours"].get(m, {}).get(str(tau))
         if not cell:
             continue
-        per_trial = [curve(Path(p)) for p in cell["runs"]]
+        per_trial = [curve(Path(p)) for p in finished_runs(cell)]
+        if not per_trial:
+            continue
         n = min(len(x) for x, _ in per_trial)
         x = per_trial[0][0][:n]
         y = np.mean([acc[:n] for _, acc in per_trial], axis=0)
