@@ -78,3 +78,13 @@ def test_same_base_names_are_disambiguated(tmp_path):
     b = make_run(tmp_path / "y" / "run", "mifa", [0.2], [1], [[P]])
     assert [r.name for r in load_runs([str(a), str(b)])] == ["x/run", "y/run"]
     assert np.array_equal(raster_codes(load_runs([str(a)])[0])[0], [[0]])
+
+
+def test_an_accuracy_plot_without_curves_says_so_without_a_warning(tmp_path):
+    """`dropfl report` on runs that evaluated nothing yet: matplotlib's empty-legend warning was seen in CI's fuzz."""
+    import warnings
+
+    from coordinator.report.compare import accuracy_plot
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert accuracy_plot({}, tmp_path / "a.png").exists()

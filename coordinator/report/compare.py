@@ -139,7 +139,10 @@ def accuracy_plot(curves: dict[str, tuple[list[float], list[float]]], out: Path,
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if curves:
+        ax.legend()
+    else:   # no run has evaluated a round yet: say so instead of matplotlib's empty-legend warning
+        ax.text(0.5, 0.5, "no evaluated runs yet", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
