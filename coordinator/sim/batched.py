@@ -482,22 +482,32 @@ def _die_with_parent() -> None:
     """End this worker when the process that started it dies. Without it, a killed simulation (Ctrl-C twice,
     SIGKILL) left its workers training a slice for many minutes.
 
-    Written by hand (a daemon thread that polls the parent's pid) instead of Linux's PR_SET_PDEATHSIG, which
-    this used before: that signal fires when the parent *thread* that started the worker ends, not the
-    process. A lockstep sweep starts its workers from one run's thread, so when that run ended first (it
-    diverged, or had fewer rounds) its workers were killed under the other runs, and the pool's shutdown
-    then waited forever on a queue lock the dead worker held (found by tests/test_diverged.py)."""
-    import threading
-
+    Linux: PR_SET_PDEATHSIG, delivered by the kernel even while the worker is inside a long call that holds the
+    GIL. Caveat: it fires when the parent *thread* that started the worker ends, not the process, so an engine's
+    pool must be started and used from a thread that outlives it (the main thread, or the lockstep group's own
+    engine thread, coordinator/sim/lockstep.py: a run's thread ending first once killed the workers under the
+    other runs). Elsewhere a daemon thread polls the parent's pid (it needs the GIL: a long GIL-holding call
+    delays it; measured in CI, one worker alive 20 s after its parent's SIGKILL)."""
     parent = os.getppid()
+    if parent == 1:   # the parent died before we got here
+        os._exit(1)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+        return
+    import threading
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
 
-    if parent != 1:
-        threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def _keep_freed_memory() -> None:

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,10 @@ class Lockstep:
         self.data: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model: torch.nn.Module | None = None
         self.engine: BatchedEngine | None = None
+        # the engine is built, used and closed on this one thread, which lives as long as the group: its worker
+        # processes die with the thread that started them (PR_SET_PDEATHSIG, batched._die_with_parent), and a
+        # run's own thread may end before the others' (it diverged, or has fewer rounds)
+        self.owner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-engine")
         self.labels: set[str] = set()             # what the runs' proxies say they are (must match the engine)
         self.failed: BaseException | None = None
         self.rounds = 0
@@ -200,7 +205,8 @@ class Lockstep:
         if self.engine is None:
             assert self.model is not None
             # the runs' --slices: the serial executor's engine cuts each run's round the same way
-            self.engine = BatchedEngine(self.model, self.data, workers=self.workers, groups=self.slices)
+            self.engine = self.owner.submit(BatchedEngine, self.model, self.data, workers=self.workers,
+                                            groups=self.slices).result()
             if self.labels != {self.engine.describe()}:   # metrics.jsonl's `engine` must say what ran
                 raise RuntimeError(f"lockstep: the runs expect {self.labels}, the engine is {self.engine.describe()}")
         rids = sorted(requests)
@@ -228,7 +234,7 @@ class Lockstep:
                               [rids.index(r) for r, _ in chunk]))
                 owners.append(chunk)
         out = {r: [None] * len(requests[r].tasks) for r in rids}
-        for chunk, results in zip(owners, self.engine.run_parts(parts)):
+        for chunk, results in zip(owners, self.owner.submit(self.engine.run_parts, parts).result()):
             for (r, i), res in zip(chunk, results):
                 out[r][i] = res
         self.rounds += 1
@@ -240,7 +246,8 @@ class Lockstep:
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.close()
+            self.owner.submit(self.engine.close).result()
+        self.owner.shutdown()
 
 
 class _Proxy:
