@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import config
-from coordinator.report.reproduce import diverged_at, diverged_cell, finished_runs, mean_std, plan_run, run_stats
+from coordinator.report.reproduce import cell_stats, finished_runs, plan_run
 
 HOLDS, FAILS, UNMEASURED = "holds", "DOES NOT HOLD", "not measured"
 
@@ -121,13 +121,7 @@ def run_preset(preset: Preset, trials: int, root: Path, results_dir: Path, *, ex
     for (method, setting), paths in cells.items():
         if not paths:
             continue
-        vals = [None if diverged_at(p) is not None else value(p) for _, p in paths]   # diverged: left out
-        got = [v for v in vals if v is not None]
-        mean, std = mean_std(got) if got else (None, None)
-        ours.setdefault(setting, {})[method] = {
-            "mean": None if mean is None else round(mean, 3), "std": None if std is None else round(std, 3),
-            "trials": [None if v is None else round(v, 3) for v in vals], "seeds": [t for t, _ in paths],
-            "runs": [str(p) for _, p in paths], "per_run": [run_stats(p) for _, p in paths], **diverged_cell(paths)}
+        ours.setdefault(setting, {})[method] = cell_stats(paths, value, 3)   # diverged runs: left out
     results = {"experiment": preset.name, "title": preset.title, "metric": preset.metric, "paper": preset.paper,
                "paper_note": preset.paper_note, "ours": ours,
                "runs_run": len(jobs), "wall_s": None if wall is None else round(wall, 1),

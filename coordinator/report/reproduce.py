@@ -209,15 +209,21 @@ def run_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, roo
     for (method, tau), paths in cells.items():
         if not paths:
             continue
-        finals = [None if diverged_at(p) is not None else curve(p)[1][-1] for _, p in paths]
-        got = [x for x in finals if x is not None]
-        mean, std = mean_std(got) if got else (None, None)
-        ours.setdefault(method, {})[str(tau)] = {
-            "mean": None if mean is None else round(mean, 2), "std": None if std is None else round(std, 2),
-            "trials": [None if x is None else round(x, 2) for x in finals],
-            "seeds": [t for t, _ in paths], "runs": [str(p) for _, p in paths],
-            "per_run": [run_stats(p) for _, p in paths], **diverged_cell(paths)}
+        ours.setdefault(method, {})[str(tau)] = cell_stats(paths, lambda p: curve(p)[1][-1], 2)
     return ours
+
+
+def cell_stats(paths: list[tuple[int, Path]], value, digits: int) -> dict:
+    """One cell of a results table from its (seed, run dir) pairs: each run's `value` (None where it diverged or
+    has none), mean ± std over the others, rounded to `digits`, the runs' stats, and which runs diverged."""
+    gone = {str(t): r for t, p in paths if (r := diverged_at(p)) is not None}
+    vals = [None if str(t) in gone else value(p) for t, p in paths]
+    got = [v for v in vals if v is not None]
+    mean, std = mean_std(got) if got else (None, None)
+    return {"mean": None if mean is None else round(mean, digits), "std": None if std is None else round(std, digits),
+            "trials": [None if v is None else round(v, digits) for v in vals], "seeds": [t for t, _ in paths],
+            "runs": [str(p) for _, p in paths], "per_run": [run_stats(p) for _, p in paths],
+            **({"diverged": gone} if gone else {})}
 
 
 def finished_runs(cell: dict) -> list[str]:
@@ -225,12 +231,6 @@ def finished_runs(cell: dict) -> list[str]:
     curve stops early and would cut every trial's curve there)."""
     gone = cell.get("diverged", {})
     return [p for p, seed in zip(cell["runs"], cell["seeds"]) if str(seed) not in gone]
-
-
-def diverged_cell(paths: list[tuple[int, Path]]) -> dict:
-    """{"diverged": {seed: round}} for the cell's runs that diverged (left out of mean ± std), or {}."""
-    got = {str(t): r for t, p in paths if (r := diverged_at(p)) is not None}
-    return {"diverged": got} if got else {}
 
 
 def plan_run(path: Path, cfg: config.SimConfig, label: str, prefix: str, jobs: list, log, report_only: bool) -> bool:
