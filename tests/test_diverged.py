@@ -11,7 +11,7 @@ import pytest
 from coordinator import config
 from coordinator.cli import main
 from coordinator.report import papers
-from coordinator.report.reproduce import diverged_at, table3_cell
+from coordinator.report.reproduce import diverged_at, cell_text
 from coordinator.sim.sweep import Job, run_sweep
 
 TINY = ["--model", "logreg", "--clients", "3", "--rounds", "2", "--steps", "2", "--batch-size", "8",
@@ -85,7 +85,11 @@ def test_a_reproduction_counts_a_diverged_trial_and_does_not_rerun_it(tmp_path) 
 
 
 def test_the_table3_cell_names_diverged_trials() -> None:
-    assert table3_cell({"mean": 70.0, "std": 1.0, "diverged": {"2": 85}}) == "70.00 ± 1.00 (1 diverged)"
-    assert table3_cell({"mean": None, "std": None, "diverged": {"0": 3, "1": 4}}) == "all 2 diverged"
-    assert table3_cell({"mean": 70.0, "std": 1.0}) == "70.00 ± 1.00"
-    assert table3_cell(None) == "–"
+    assert cell_text({"mean": 70.0, "std": 1.0, "diverged": {"2": 85}}) == "70.00 ± 1.00 (1 diverged)"
+    assert cell_text({"mean": None, "std": None, "diverged": {"0": 3, "1": 4}}) == "all 2 diverged"
+    assert cell_text({"mean": 70.0, "std": 1.0}) == "70.00 ± 1.00"
+    assert cell_text(None) == "–"
+    # the paper presets' tables (papers.markdown) show how many trials count
+    assert cell_text({"mean": 70.0, "std": 1.0, "trials": [70.5, None, 69.5], "diverged": {"1": 40}},
+                     show_n=True) == "70.00 ± 1.00 (n=2, 1 diverged)"
+    assert cell_text({"mean": 70.0, "std": 1.0, "trials": [70.5, 69.5]}, show_n=True) == "70.00 ± 1.00 (n=2)"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import config
-from coordinator.report.reproduce import cell_stats, finished_runs, plan_run
+from coordinator.report.reproduce import cell_stats, finished_runs, plan_run, cell_text
 
 HOLDS, FAILS, UNMEASURED = "holds", "DOES NOT HOLD", "not measured"
 
@@ -149,15 +149,6 @@ def verdict_lines(results: dict) -> list[str]:
     return [f"- verdict: {v['claim']}: {v['verdict']} ({v['numbers']})" for v in results["verdicts"]]
 
 
-def _cell(c: dict | None) -> str:
-    if c and c["mean"] is None and c.get("diverged"):
-        return f"all {len(c['diverged'])} diverged"
-    if not c or c["mean"] is None:
-        return "–"
-    div = f", {len(c['diverged'])} diverged" if c.get("diverged") else ""
-    return f"{c['mean']:.2f} ± {c['std']:.2f} (n={sum(v is not None for v in c['trials'])}{div})"
-
-
 def markdown(preset: Preset, results: dict) -> str:
     ours, paper, s = results["ours"], results["paper"], results["setup"]
     methods = list(dict.fromkeys(a.method for a in preset.arms))
@@ -174,7 +165,7 @@ def markdown(preset: Preset, results: dict) -> str:
     for st in settings:
         row = []
         for m in methods:
-            row.append(_cell(ours.get(st, {}).get(m)))
+            row.append(cell_text(ours.get(st, {}).get(m), show_n=True))
             if paper:
                 p = paper.get(st, {}).get(m)
                 row.append("–" if p is None else f"{p:.3g}")

@@ -328,7 +328,7 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
         cells = []
         for t in taus:
             o = ours.get(m, {}).get(str(t))
-            cells.append(table3_cell(o))
+            cells.append(cell_text(o))
             cells.append(f"{paper[m][str(t)]:.2f}" if str(t) in paper.get(m, {}) else "–")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "Checks (issue 3):", ""]
@@ -349,14 +349,17 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def table3_cell(o: dict | None) -> str:
-    """mean ± std, with the count of diverged trials (left out of both) where any diverged."""
+def cell_text(o: dict | None, show_n: bool = False) -> str:
+    """A results cell (`cell_stats`) as text: "mean ± std", then in brackets the number of trials that
+    count (`show_n`) and of diverged trials (left out of both) where any diverged; "all N diverged" or
+    "–" where nothing counts. Table 3 leaves n out (its trials are a column of their own)."""
     if not o:
         return "–"
-    div = len(o.get("diverged", {}))
+    div = len(o.get("diverged") or {})
     if o["mean"] is None:
         return f"all {div} diverged" if div else "–"
-    return f"{o['mean']:.2f} ± {o['std']:.2f}" + (f" ({div} diverged)" if div else "")
+    notes = ([f"n={sum(v is not None for v in o['trials'])}"] if show_n else []) + ([f"{div} diverged"] if div else [])
+    return f"{o['mean']:.2f} ± {o['std']:.2f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def trials_done(results: dict) -> str:
