@@ -216,6 +216,22 @@ def load(name: str, data_dir: str | None = None) -> Dataset:
     return DATASETS[name](data_dir)
 
 
+def source_files(name: str, data_dir: str | None) -> list[Path]:
+    """The files `load(name, data_dir)` reads, those that exist (for a cache key: `coordinator.runsetup`)."""
+    if name in IDX_DATASETS:
+        dirs, _ = IDX_DATASETS[name](data_dir)
+        stems = [f"{prefix}-{kind}-idx{n}-ubyte" for prefix in PREFIX.values()
+                 for kind, n in (("images", 3), ("labels", 1))]
+        return [p for p in (_find(dirs, stem) for stem in stems) if p is not None]
+    if name == "cifar10" and data_dir:
+        root = Path(data_dir)
+        if (root / "cifar-10-batches-py").is_dir():
+            root = root / "cifar-10-batches-py"
+        return [p for p in (root / n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"])
+                if p.exists()]
+    return []
+
+
 # The IDX datasets, for the agent's row reads: (directories, the error's fix) for a data_dir.
 IDX_DATASETS = {
     "fmnist": lambda data_dir: ([data_dir] if data_dir else list(FMNIST_DIRS),
