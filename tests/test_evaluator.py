@@ -100,3 +100,12 @@ def test_a_run_records_which_evaluation_ran(tmp_path, monkeypatch, engine, kerne
     assert _eval_field(out).startswith(expected)
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0.0 <= row["accuracy"] <= 1.0 and row["loss"] > 0
+
+
+def test_evaluators_of_one_test_set_share_its_split_images() -> None:
+    """The runs of a sweep share the test set (runsetup.load_dataset), and their Evaluators one split of it
+    (batched._shared_split): the same tensor, and the same results as an Evaluator of a copy of the images."""
+    model, x, y, w = _setup("mimic-cnn", (1, 28, 28), 0.0, torch.float32)
+    a, b, c = Evaluator(model, x, y), Evaluator(model, x, y), Evaluator(model, x.clone(), y)
+    assert a.x_split is b.x_split and a.x_split is not c.x_split and torch.equal(a.x_split, c.x_split)
+    assert a(w) == b(w) == c(w)
