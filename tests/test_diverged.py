@@ -93,3 +93,5 @@ def test_the_table3_cell_names_diverged_trials() -> None:
     assert cell_text({"mean": 70.0, "std": 1.0, "trials": [70.5, None, 69.5], "diverged": {"1": 40}},
                      show_n=True) == "70.00 ± 1.00 (n=2, 1 diverged)"
     assert cell_text({"mean": 70.0, "std": 1.0, "trials": [70.5, 69.5]}, show_n=True) == "70.00 ± 1.00 (n=2)"
+    assert cell_text({"mean": 70.0, "std": 0.0, "trials": [70.0]}, show_n=True) == "70.00 (n=1)"   # no ± 0.00
+    assert cell_text({"mean": 70.0, "std": 0.0, "trials": [70.0, None], "diverged": {"1": 9}}) == "70.00 (1 diverged)"

@@ -350,7 +350,7 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
 
 
 def cell_text(o: dict | None, show_n: bool = False) -> str:
-    """A results cell (`cell_stats`) as text: "mean ± std", then in brackets the number of trials that
+    """A results cell (`cell_stats`) as text: "mean ± std" ("mean" where one trial counts), then in brackets the number of trials that
     count (`show_n`) and of diverged trials (left out of both) where any diverged; "all N diverged" or
     "–" where nothing counts. Table 3 leaves n out (its trials are a column of their own)."""
     if not o:
@@ -358,8 +358,10 @@ def cell_text(o: dict | None, show_n: bool = False) -> str:
     div = len(o.get("diverged") or {})
     if o["mean"] is None:
         return f"all {div} diverged" if div else "–"
-    notes = ([f"n={sum(v is not None for v in o['trials'])}"] if show_n else []) + ([f"{div} diverged"] if div else [])
-    return f"{o['mean']:.2f} ± {o['std']:.2f}" + (f" ({', '.join(notes)})" if notes else "")
+    n = sum(v is not None for v in o["trials"]) if "trials" in o else None
+    notes = ([f"n={n}"] if show_n else []) + ([f"{div} diverged"] if div else [])
+    spread = "" if n == 1 else f" ± {o['std']:.2f}"   # one trial: no spread to show (the JSON's std is 0)
+    return f"{o['mean']:.2f}{spread}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def trials_done(results: dict) -> str:
