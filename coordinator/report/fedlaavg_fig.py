@@ -62,7 +62,7 @@ def build(opts, method: str, half: int, d: int, trial: int, out: Path) -> config
     # a checkpoint at each evaluation, not every round: FedLaAvg's table of N = 1000 stored updates makes a
     # checkpoint 31 MB, and writing it every round was 25 % of the sweep's time (measured: 200 rounds of the
     # five methods, 96 s -> 74 s, the same model.pt bytes). A killed run resumes from its last evaluation,
-    # recomputing at most eval_every - 1 rounds, bit for bit (tests/test_sim_resume.py).
+    # recomputing at most eval_every - 1 rounds, bit for bit (tests/test_sim.py).
     r.checkpoint_every = r.eval_every
     r.threads, r.out = opts.threads, str(out)
     return cfg

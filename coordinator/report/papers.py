@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator import config
-from coordinator.report.reproduce import cell_stats, finished_runs, plan_run, cell_text
+from coordinator.report.reproduce import cell_stats, cell_text, finished_runs, plan_run
 
 HOLDS, FAILS, UNMEASURED = "holds", "DOES NOT HOLD", "not measured"
 

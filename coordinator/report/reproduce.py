@@ -350,9 +350,9 @@ def markdown(results: dict, methods: list[str], taus: list[int]) -> str:
 
 
 def cell_text(o: dict | None, show_n: bool = False) -> str:
-    """A results cell (`cell_stats`) as text: "mean ± std" ("mean" where one trial counts), then in brackets the number of trials that
-    count (`show_n`) and of diverged trials (left out of both) where any diverged; "all N diverged" or
-    "–" where nothing counts. Table 3 leaves n out (its trials are a column of their own)."""
+    """A results cell (`cell_stats`) as text: "mean ± std" (the mean alone where one trial counts), then in
+    brackets the number of trials that count (`show_n`: the paper presets' tables) and of diverged trials
+    (left out of both) where any diverged; "all N diverged" or "–" where nothing counts."""
     if not o:
         return "–"
     div = len(o.get("diverged") or {})
