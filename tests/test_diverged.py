@@ -11,7 +11,7 @@ import pytest
 from coordinator import config
 from coordinator.cli import main
 from coordinator.report import papers
-from coordinator.report.reproduce import diverged_at, cell_text
+from coordinator.report.reproduce import cell_text, diverged_at
 from coordinator.sim.sweep import Job, run_sweep
 
 TINY = ["--model", "logreg", "--clients", "3", "--rounds", "2", "--steps", "2", "--batch-size", "8",
