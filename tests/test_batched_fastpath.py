@@ -10,6 +10,11 @@
 - The LeNets' step by hand (`batched._lenet_step`): with both layers fused, each step's forward, loss and
   gradients are computed without autograd, by the ops autograd runs; the weights and losses must be bitwise
   those of the autograd path (`Group.by_hand = False`).
+- The FedProx / SCAFFOLD update with one lr (`kernels.sgd_update`): one fused pass per parameter instead of the
+  torch ops g + μ(w − w_global), + c, w.add_(g, alpha=−lr); the weights must be bitwise those of the torch ops
+  (`kernels.fused_update` turned off), from one start (a serial slice) and from one start per task (lockstep);
+  and with per-task terms (`Group.train(terms=...)`), plain, FedProx and SCAFFOLD clients trained as one
+  computation get the bits each gets in a computation of its own kind (how a lockstep sweep merges them).
 """
 
 from __future__ import annotations
@@ -136,3 +141,78 @@ def test_models_without_both_fused_layers_use_autograd() -> None:
     assert not Group(build_model("fdms-cnn", (1, 28, 28)), x, y, [0], [20], native=True).by_hand
     assert not Group(build_model("mimic-cnn", (1, 28, 28)), x, y, [0], [20], native=False).by_hand
     assert not Group(build_model("mlp", (1, 28, 28)), x, y, [0], [20]).by_hand
+
+
+@pytest.mark.skipif(not __import__("coordinator.sim.kernels", fromlist=["x"]).available(),
+                    reason="the fused update runs only with the native kernels")
+@pytest.mark.parametrize("name,dtype", [("mimic-cnn", torch.float32), ("mimic-cnn", torch.float64),
+                                        ("fdms-cnn", torch.float32)])
+def test_the_fused_fedprox_scaffold_update_gives_the_torch_ops_bits(name: str, dtype: torch.dtype,
+                                                                      monkeypatch) -> None:
+    from coordinator.sim import kernels
+    sizes = [40, 23, 16, 9, 0, 30]   # smaller last batches, fewer steps, an empty client
+    data = [(x.to(dtype), y) for x, y in _data(sizes, (1, 28, 28))]
+    x_all, y_all = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    model = build_model(name, (1, 28, 28), 10, seed=1).to(dtype)
+    w = get_flat(model)
+    g = torch.Generator().manual_seed(2)
+    corr = [0.01 * torch.randn(w.shape, generator=g, dtype=dtype) for _ in sizes]
+    starts = torch.stack([w, w + 0.01 * torch.randn(w.shape, generator=g, dtype=dtype)])
+    rounds = {   # FedProx (μ = 0 for one client: its term adds 0), SCAFFOLD, both
+        "prox": [TrainTask(client=c, round=1, lr=0.05, batch_size=8, epochs=1, seed=3, prox_mu=0.1 * (c % 3))
+                 for c in range(len(sizes))],
+        "scaffold": [TrainTask(client=c, round=1, lr=0.05, batch_size=8, steps=3, seed=3, grad_correction=corr[c])
+                     for c in range(len(sizes))],
+        "both": [TrainTask(client=c, round=2, lr=0.03, batch_size=8, steps=4, seed=5, prox_mu=0.01,
+                           grad_correction=corr[c]) for c in range(len(sizes))]}
+    calls = []
+    update = kernels.sgd_update
+    monkeypatch.setattr(kernels, "sgd_update", lambda *a, **k: calls.append(1) or update(*a, **k))
+    group = Group(model, x_all, y_all, offsets, sizes, threads=1)
+    for tasks in rounds.values():
+        for start in (None, [c % 2 for c in range(len(sizes))]):
+            w0 = w if start is None else starts
+            calls.clear()
+            fused = group.train(w0, tasks, start=start)
+            assert calls, "the fused update did not run"
+            monkeypatch.setattr(kernels, "fused_update", lambda *a: False)
+            calls.clear()
+            ops = group.train(w0, tasks, start=start)
+            assert not calls, "the torch ops did not run"
+            monkeypatch.undo()
+            monkeypatch.setattr(kernels, "sgd_update", lambda *a, **k: calls.append(1) or update(*a, **k))
+            for a, b in zip(fused, ops):
+                assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
+
+
+@pytest.mark.skipif(not __import__("coordinator.sim.kernels", fromlist=["x"]).available(),
+                    reason="per-task terms need the fused update (native kernels)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plain_fedprox_and_scaffold_clients_merged_with_terms_keep_their_bits(dtype: torch.dtype) -> None:
+    sizes = [40, 23, 16, 9, 30, 33]   # smaller last batches, different step counts
+    data = [(x.to(dtype), y) for x, y in _data(sizes, (1, 28, 28))]
+    x_all, y_all = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    model = build_model("mimic-cnn", (1, 28, 28), 10, seed=1).to(dtype)
+    w = get_flat(model)
+    g = torch.Generator().manual_seed(4)
+    starts = torch.stack([w + 0.01 * torch.randn(w.shape, generator=g, dtype=dtype) for _ in range(3)])
+    corr = [0.01 * torch.randn(w.shape, generator=g, dtype=dtype) for _ in sizes]
+    group = Group(model, x_all, y_all, offsets, sizes, threads=1)
+
+    def task(c: int, kind: str) -> TrainTask:
+        return TrainTask(client=c, round=2, lr=0.04, batch_size=8, epochs=1, seed=7,
+                         prox_mu=0.05 if kind == "prox" else 0.0,
+                         grad_correction=corr[c] if kind == "scaffold" else None)
+    kinds = {"plain": (0, [0, 3]), "prox": (1, [1, 4]), "scaffold": (2, [2, 5])}   # terms, clients
+    alone = {}
+    for kind, (_, clients) in kinds.items():   # each kind as a computation of its own (the serial slices)
+        out = group.train(starts, [task(c, kind) for c in clients], start=[c % 3 for c in clients])
+        alone |= {c: r for c, r in zip(clients, out)}
+    order = [5, 0, 4, 1, 3, 2]   # interleaved kinds, one computation
+    kind_of = {c: k for k, (_, cs) in kinds.items() for c in cs}
+    merged = group.train(starts, [task(c, kind_of[c]) for c in order], start=[c % 3 for c in order],
+                         terms=[kinds[kind_of[c]][0] for c in order])
+    for c, r in zip(order, merged):
+        assert torch.equal(r.delta, alone[c].delta) and r.loss == alone[c].loss and r.steps == alone[c].steps, c

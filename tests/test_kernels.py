@@ -112,27 +112,33 @@ def _raw_inputs() -> list[torch.Tensor]:
 
 
 def _raw_outputs(variant: str, ins: list[torch.Tensor]) -> bytes:
-    """What the driver writes, computed by this machine's `variant` library through ctypes."""
+    """What the driver writes, computed by this machine's `variant` library through ctypes: both layers in the
+    engine's layouts, then in the client-major ones (layout = 1, the same buffers read as [K, B, ...] tensors)."""
     lib = kernels.load(variant)
     dims, x, rows, w, bias, gy, dims2, h, w2, b2, gy2 = ins
     n, b, hh, ww, k, cin, o = dims.tolist()
     h2, ww2, o2 = dims2.tolist()
-    y = torch.empty(b * ((hh - 4) // 2) * ((ww - 4) // 2) * k * o)
-    arg = torch.empty(y.numel(), dtype=torch.uint8)
-    gw, gb = torch.empty_like(w), torch.empty_like(bias)
     xs = kernels.split_images(x, 5, variant)   # the images as the first layer reads them
-    p = [t.data_ptr() for t in (xs, rows, w, bias, y, arg)]
-    lib.dropfl_conv_pool_fwd_f32(*p, b, hh, ww, k, cin, o, 5, 5)
-    lib.dropfl_conv_pool_bwd_f32(xs.data_ptr(), rows.data_ptr(), gy.data_ptr(), arg.data_ptr(), gw.data_ptr(),
-                                 gb.data_ptr(), b, hh, ww, k, cin, o, 5, 5)
-    y2 = torch.empty(gy2.numel())
-    arg2 = torch.empty(y2.numel(), dtype=torch.uint8)
-    gh, gw2, gb2 = torch.empty_like(h), torch.empty_like(w2), torch.empty_like(b2)
-    assert lib.dropfl_conv2_pool_fwd_f32(h.data_ptr(), w2.data_ptr(), b2.data_ptr(), y2.data_ptr(), arg2.data_ptr(),
-                                         b, h2, ww2, k, 6, o2, 5, 5) == 0
-    assert lib.dropfl_conv2_pool_bwd_f32(h.data_ptr(), w2.data_ptr(), gy2.data_ptr(), arg2.data_ptr(), gh.data_ptr(),
-                                         gw2.data_ptr(), gb2.data_ptr(), b, h2, ww2, k, 6, o2, 5, 5) == 0
-    return b"".join(t.numpy().tobytes() for t in (y, arg, gw, gb, y2, arg2, gh, gw2, gb2))
+    gyp = torch.cat([gy.reshape(-1), torch.zeros(16)])   # 64 bytes of slack: the client-major backward reads them
+    out = []
+    for layout in (0, 1):
+        y = torch.empty(b * ((hh - 4) // 2) * ((ww - 4) // 2) * k * o)
+        arg = torch.empty(y.numel() + 64, dtype=torch.uint8)
+        gw, gb = torch.empty_like(w), torch.empty_like(bias)
+        p = [t.data_ptr() for t in (xs, rows, w, bias, y, arg)]
+        lib.dropfl_conv_pool_fwd_f32(*p, b, hh, ww, k, cin, o, 5, 5, layout)
+        lib.dropfl_conv_pool_bwd_f32(xs.data_ptr(), rows.data_ptr(), gyp.data_ptr(), arg.data_ptr(), gw.data_ptr(),
+                                     gb.data_ptr(), b, hh, ww, k, cin, o, 5, 5, layout)
+        y2 = torch.empty(gy2.numel())
+        arg2 = torch.empty(y2.numel(), dtype=torch.uint8)
+        gh, gw2, gb2 = torch.empty(h.numel() + 16), torch.empty_like(w2), torch.empty_like(b2)
+        assert lib.dropfl_conv2_pool_fwd_f32(h.data_ptr(), w2.data_ptr(), b2.data_ptr(), y2.data_ptr(),
+                                             arg2.data_ptr(), b, h2, ww2, k, 6, o2, 5, 5, layout) == 0
+        assert lib.dropfl_conv2_pool_bwd_f32(h.data_ptr(), w2.data_ptr(), gy2.data_ptr(), arg2.data_ptr(),
+                                             gh.data_ptr(), gw2.data_ptr(), gb2.data_ptr(), b, h2, ww2, k, 6, o2, 5, 5,
+                                             layout) == 0
+        out += [y, arg[:-64], gw, gb, y2, arg2, gh[:h.numel()], gw2, gb2]
+    return b"".join(t.numpy().tobytes() for t in out)
 
 
 @pytest.mark.slow
@@ -350,6 +356,80 @@ def test_images_split_once_give_the_bits_of_the_step_split(variant: str, dtype: 
     for bad in (good[:3], good.double(), good[:, :-1], kernels.split_images(x_all, 3, variant)):
         with pytest.raises(ValueError, match="is not split_images"):
             kernels.conv_pool_relu(x_all, torch.tensor([[0, 1]]), torch.rand(6, 1, 5, 5), torch.rand(6), variant, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_update_gives_the_torch_ops_bits(variant: str, dtype: torch.dtype) -> None:
+    """`sgd_update` (FedProx's term, SCAFFOLD's correction and the step, one pass) element for element as the
+    engine's torch ops: every length up to three AVX-512 vectors and beyond (each vector tail), an anchor shared
+    by the clients or one per client, μ = 0 for a client (its term adds 0); and the engine uses it where it is
+    exact and the fma is an instruction."""
+    gen = torch.Generator().manual_seed(7)
+    as_int = torch.int32 if dtype == torch.float32 else torch.int64
+    for n in [*range(1, 50), 255, 30720]:
+        k = 1 + n % 4
+        p0, g = torch.randn(k, n, generator=gen, dtype=dtype), torch.randn(k, n, generator=gen, dtype=dtype)
+        shared, own = torch.randn(n, generator=gen, dtype=dtype), torch.randn(k, n, generator=gen, dtype=dtype)
+        mu = torch.rand(k, generator=gen, dtype=dtype)
+        mu[-1] = 0.0
+        c = 0.1 * torch.randn(k, n, generator=gen, dtype=dtype)
+        for anchor, m, cc in ((shared, mu, None), (own, mu, None), (None, None, c), (own, mu, c), (None, None, None)):
+            want, got = p0.clone(), p0.clone()
+            kernels._torch_update(want, g, anchor, m, cc, -0.07)
+            kernels.sgd_update(got, g, anchor, m, cc, -0.07, variant)
+            assert torch.equal(want.view(as_int), got.view(as_int)), (n, anchor is shared, m is None, cc is None)
+        # per-client terms (a lockstep computation of plain, FedProx and SCAFFOLD clients): each row as its own
+        terms = torch.tensor([(n + i) % 4 for i in range(k)], dtype=torch.uint8)
+        got = p0.clone()
+        kernels.sgd_update(got, g, own, mu, c, -0.07, variant, terms=terms)
+        for i in range(k):
+            want = p0[i:i + 1].clone()
+            kernels._torch_update(want, g[i:i + 1], own[i:i + 1], mu[i:i + 1] if terms[i] & 1 else None,
+                                  c[i:i + 1] if terms[i] & 2 else None, -0.07)
+            assert torch.equal(want.view(as_int), got[i:i + 1].view(as_int)), (n, i, int(terms[i]))
+    assert kernels.sgd_update_exact(variant, dtype)
+    assert kernels.fused_update(variant, dtype) == (variant != "generic" or not sys.platform.startswith("linux")
+                                                    or os.uname().machine in ("aarch64", "arm64"))
+    with pytest.raises(ValueError):
+        kernels.sgd_update(p0, g[:, :-1].contiguous(), None, None, None, -0.1, variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cin,side,o", [(1, 28, 6), (3, 32, 6), (1, 41, 3)])
+def test_client_major_layouts_give_the_same_bits(cin: int, side: int, o: int, dtype: torch.dtype,
+                                                 variant: str) -> None:
+    """The step by hand chains the two layers in client-major layouts (`client_major=True`): only where each value
+    lives changes, so every output and gradient equals the engine layouts' bit for bit (rows wider than a vector,
+    a last vector with masked lanes, more than one vector of columns, the LeNets' second layer where it fits)."""
+    g = torch.Generator().manual_seed(11)
+    k, b, n = 3, 5, 12
+    x_all = torch.randn(n, cin, side, side, generator=g, dtype=dtype)
+    x_all[0, :, :8] = 0.0   # a blank region: windows of ties, rows where relu passes nothing
+    rows = torch.randint(0, n, (k, b), generator=g)
+    w = torch.randn(k * o, cin, 5, 5, generator=g, dtype=dtype) * 0.3
+    bias = torch.randn(k * o, generator=g, dtype=dtype) * 0.1
+    xs = kernels.split_images(x_all, 5, variant)
+    y, s = kernels.conv_pool_fwd(x_all, rows, w, bias, variant, xs)
+    y_cm, s_cm = kernels.conv_pool_fwd(x_all, rows, w, bias, variant, xs, client_major=True)
+    hp = y.shape[2]
+    assert torch.equal(y_cm, y.reshape(b, k, o, hp, hp).permute(1, 0, 3, 4, 2))   # [K, B, Hp, Wp, O]
+    gy = torch.randn(k, b, o, hp, hp, generator=g, dtype=dtype)
+    gw, gb = kernels.conv_pool_bwd(s, gy.permute(1, 0, 2, 3, 4).reshape(b, k * o, hp, hp))
+    gw_cm, gb_cm = kernels.conv_pool_bwd(s_cm, gy)
+    assert torch.equal(gw, gw_cm) and torch.equal(gb, gb_cm)
+    if not kernels.inner_fits(o, 16, (5, 5), dtype):
+        return
+    w2 = torch.randn(k * 16, o, 5, 5, generator=g, dtype=dtype) * 0.2
+    b2 = torch.randn(k * 16, generator=g, dtype=dtype) * 0.1
+    y2, s2 = kernels.conv2_pool_fwd(y, w2, b2, k, variant)
+    y2_cm, s2_cm = kernels.conv2_pool_fwd(y_cm, w2, b2, k, variant, client_major=True)
+    assert torch.equal(y2, y2_cm)
+    gy2 = torch.randn(y2.shape, generator=g, dtype=dtype)
+    gh, gw2, gb2 = kernels.conv2_pool_bwd(s2, gy2)
+    gh_cm, gw2_cm, gb2_cm = kernels.conv2_pool_bwd(s2_cm, gy2)
+    assert torch.equal(gw2, gw2_cm) and torch.equal(gb2, gb2_cm)
+    assert torch.equal(gh_cm, gh.reshape(b, k, o, hp, hp).permute(1, 0, 2, 3, 4))   # [K, B, Cin, H, W]
+    assert torch.equal(kernels.conv_pool_bwd(s_cm, gh_cm)[0], kernels.conv_pool_bwd(s, gh)[0])
 
 
 def test_mixed_dtypes_and_bad_indices_are_refused() -> None:

@@ -159,9 +159,12 @@ def _lenet_step(z: _Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     so the gradients are bitwise autograd's (tests/test_batched_fastpath.py) without building a graph each
     step. Returns (loss [K], {name: gradient}) with the parameters' shapes."""
     p, k, b, st = z.p, z.k, z.b, z.s
+    # client-major layouts between the two fused layers (no autograd sits between them here): the second layer
+    # copies its input row by row, the first layer's backward reads its gradient as whole vectors
     h1, saved1 = kernels.conv_pool_fwd(z.x_all, st.rows, p["conv1.weight"].flatten(0, 1),
-                                       p["conv1.bias"].reshape(-1), z.native, z.x_split)
-    h2, saved2 = kernels.conv2_pool_fwd(h1, p["conv2.weight"].flatten(0, 1), p["conv2.bias"].reshape(-1), k, z.native)
+                                       p["conv1.bias"].reshape(-1), z.native, z.x_split, client_major=True)
+    h2, saved2 = kernels.conv2_pool_fwd(h1, p["conv2.weight"].flatten(0, 1), p["conv2.bias"].reshape(-1), k, z.native,
+                                        client_major=True)
     w1, w2, w3 = p["fc1.weight"], p["fc2.weight"], p["fc3.weight"]   # held transposed: [K, in, out]
     r1 = torch.relu(torch.baddbmm(p["fc1.bias"].unsqueeze(1), h2, w1))
     r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
@@ -287,21 +290,24 @@ class Group:
         self.shapes = [p.shape for _, p in model.named_parameters()]
 
     def train(self, w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
-              start: list[int] | None = None) -> list[LocalResult]:
+              start: list[int] | None = None, terms: list[int] | None = None) -> list[LocalResult]:
         """Train `tasks` from `w_global` with `threads` intra-op threads (fixed, so that a slice's
         float rounding, hence its result, is the same in any process).
         A lockstep sweep (coordinator/sim/lockstep.py) trains clients of several runs at once: `data`
         gives each task's client in this group's data (default: `task.client`), and with `start`,
-        `w_global` is [R, P] and task i starts from row `start[i]`."""
+        `w_global` is [R, P] and task i starts from row `start[i]`. `terms` (lockstep, with the fused update
+        only): per task, which of FedProx's term (1) and SCAFFOLD's correction (2) its own run's computation
+        adds, so that plain, FedProx and SCAFFOLD clients of one lr train as one computation; without it the
+        computation decides for all its tasks (any μ: the term for all; any correction: a correction for all)."""
         saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return self._train(w_global, tasks, data, start)
+            return self._train(w_global, tasks, data, start, terms)
         finally:
             torch.set_num_threads(saved)
 
     def _train(self, w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
-               start: list[int] | None = None) -> list[LocalResult]:
+               start: list[int] | None = None, terms: list[int] | None = None) -> list[LocalResult]:
         t_start = time.perf_counter()
         data = [t.client for t in tasks] if data is None else list(data)
         gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
@@ -310,6 +316,7 @@ class Group:
         order = sorted(range(len(tasks)), key=lambda i: -len(plans[i][1]))
         tasks, gens, plans = [tasks[i] for i in order], [gens[i] for i in order], [plans[i] for i in order]
         data = [data[i] for i in order]
+        terms = None if terms is None else [terms[i] for i in order]
         k_all, dev = len(tasks), self.device
         w0 = w_global.to(dev)
         # per-parameter stacks [K, *shape], all clients starting from w_global
@@ -335,14 +342,23 @@ class Group:
         same_lr = len(set(neg_lr)) == 1  # the usual case; a broadcast addcmul_ is ~3x slower than add_
         corr = None
         if any(t.grad_correction is not None for t in tasks):
-            c = torch.stack([t.grad_correction if t.grad_correction is not None else torch.zeros_like(w_global)
-                             for t in tasks]).to(dev)
+            zero = torch.zeros(w_global.shape[-1], dtype=w_global.dtype)   # w_global: [P], or [R, P] with `start`
+            c = torch.stack([t.grad_correction if t.grad_correction is not None else zero for t in tasks]).to(dev)
             corr = dict(zip(self.names, [_held(cc.reshape(k_all, *s), stacked=True).contiguous() for cc, s in
                                          zip(torch.split(c, [s.numel() for s in self.shapes], 1), self.shapes)]))
         # the usual case: one lr, no FedProx term, no SCAFFOLD correction. On the CPU the update is then one
         # _foreach_add_ over all parameters, which runs the same add_ per tensor (same bits, fewer calls;
         # tests/test_batched_fastpath.py). Not on CUDA, where foreach ops have their own fused kernels.
-        plain_sgd = same_lr and not any(mu) and corr is None and dev.type == "cpu"
+        plain_sgd = (same_lr and dev.type == "cpu"
+                     and (not any(t for t in terms) if terms is not None else not any(mu) and corr is None))
+        # FedProx's term and SCAFFOLD's correction with one lr: one fused pass per parameter, the same bits as the
+        # torch ops below (`kernels.sgd_update`, checked against them once per process: `fused_update`)
+        fused = (not plain_sgd and same_lr and dev.type == "cpu"
+                 and kernels.fused_update(self.native, w0.dtype))
+        if terms is not None and not (plain_sgd or fused):
+            raise RuntimeError("Group.train: per-task terms need one lr and the fused update (kernels.fused_update)")
+        mu_t = torch.tensor(mu, dtype=w0.dtype) if fused and any(mu) else None
+        terms_t = torch.tensor(terms, dtype=torch.uint8) if fused and terms is not None else None
         loss_sum = torch.zeros(k_all, dtype=torch.float64, device=dev)
         for step in self._steps(tasks, plans, data):
             k = step.k
@@ -361,6 +377,14 @@ class Group:
                 loss_sum[:k] += loss.detach().double()
                 if plain_sgd:   # w ← w − lr·g for every parameter in one call: the same add_ per tensor
                     torch._foreach_add_(list(live.values()), grads, alpha=neg_lr[0])
+                    continue
+                if fused:   # the loop below, one pass per parameter
+                    for (n, p), g in zip(params.items(), grads):
+                        kernels.sgd_update(p[:k], g.contiguous(),
+                                           anchors[n] if start is None else anchors[n][:k],
+                                           mu_t[:k] if mu_t is not None and any(mu[:k]) else None,
+                                           corr[n][:k] if corr is not None else None, neg_lr[0], self.native,
+                                           None if terms_t is None else terms_t[:k])
                     continue
                 for (n, p), g in zip(params.items(), grads):
                     s = p.shape[1:]
@@ -556,14 +580,15 @@ def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, off
 
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
-                     start: list[int] | None = None) -> tuple[torch.Tensor | None, list[LocalResult]]:
+                     start: list[int] | None = None,
+                     terms: list[int] | None = None) -> tuple[torch.Tensor | None, list[LocalResult]]:
     """`Group.train` in a worker, its deltas packed into one [K, P] tensor for the trip back (`_unpack`).
     Why packed: torch hands each tensor of a result to the parent as its own shared-memory file, one
     socket connection with an authentication handshake per tensor; for a slice of 50 logreg clients
     that handover cost more than training them (measured with py-spy on fedlaavg-fig8: the handover
     was ~40 % of the parent's samples). One tensor per slice is one handover."""
     assert _WORKER is not None, "worker not initialised"
-    results = _WORKER.train(w_global, tasks, data, start)
+    results = _WORKER.train(w_global, tasks, data, start, terms)
     if not results:
         return None, results
     packed = torch.stack([r.delta for r in results])
@@ -666,7 +691,7 @@ class BatchedEngine:
             yield _unpack(futures.pop(0).result())
 
     def run_parts(self, parts: list[tuple]) -> list[list[LocalResult]]:
-        """Train each part, (w_global, tasks, data, start) as `Group.train` takes them, as one
+        """Train each part, (w_global, tasks, data, start[, terms]) as `Group.train` takes them, as one
         computation (in a worker where there are workers); the results of each part, in order."""
         if self.pool is None:
             assert self.local is not None

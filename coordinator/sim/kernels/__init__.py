@@ -163,9 +163,11 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                                    ("conv2_pool_bwd", 7)):
                 for suffix in ("f32", "f64"):
                     fn = getattr(lib, f"dropfl_{name}_{suffix}")
-                    fn.argtypes = [ptr] * pointers + [i64] * 8
+                    fn.argtypes = [ptr] * pointers + [i64] * 9   # ..., R, S, layout
                     fn.restype = ctypes.c_int if name.startswith("conv2") else None
             for suffix in ("f32", "f64"):
+                fn = getattr(lib, f"dropfl_sgd_update_{suffix}")
+                fn.argtypes, fn.restype = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_double, i64, i64], None
                 fn = getattr(lib, f"dropfl_split_size_{suffix}")
                 fn.argtypes, fn.restype = [i64] * 4, i64
                 fn = getattr(lib, f"dropfl_split_images_{suffix}")
@@ -245,10 +247,23 @@ def split_images(x: torch.Tensor, kernel_width: int, variant: str | None = None)
     return out
 
 
+def _padded(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous tensor with 64 bytes of slack after it: the client-major backward reads a
+    row's last vector whole (lanes past the row are masked), which may run past the last row."""
+    n = 1
+    for d in shape:
+        n *= d
+    return torch.empty(n + 64 // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)[:n].view(shape)
+
+
 def conv_pool_fwd(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
-                  variant: str | None = None, x_split: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+                  variant: str | None = None, x_split: torch.Tensor | None = None,
+                  client_major: bool = False) -> tuple[torch.Tensor, tuple]:
     """The first layer's forward without autograd (`ConvPoolRelu`'s arguments): the output [B, K·O, Hp, Wp]
-    (channels-last memory) and what `conv_pool_bwd` needs."""
+    (channels-last memory) and what `conv_pool_bwd` needs. `client_major` (the step by hand, which has no
+    autograd between the layers): the output is [K, B, Hp, Wp, O] instead, what `conv2_pool_fwd(...,
+    client_major=True)` copies row by row, and `conv_pool_bwd` then takes the gradient [K, B, O, Hp, Wp] that
+    `conv2_pool_bwd` gives in that mode. Only the layout differs: the same values, bit for bit."""
     lib = _lib(variant)
     _check_dtypes("conv_pool_relu", x_all, w, bias)
     k, b = rows.shape
@@ -267,18 +282,33 @@ def conv_pool_fwd(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias
             raise ValueError(f"conv_pool_relu: x_split {tuple(x_split.shape)} {x_split.dtype} is not "
                              f"split_images(x_all, {s}, {variant!r}): [{len(x_all)}, {size}] {w.dtype}")
     rows, w, bias = rows.contiguous(), w.contiguous(), bias.contiguous()
-    y = torch.empty((b, hp, wp, k * o), dtype=w.dtype)
-    arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
+    y = torch.empty((k, b, hp, wp, o) if client_major else (b, hp, wp, k * o), dtype=w.dtype)
+    arg = _padded((k, b, o, hp, wp), torch.uint8)
     _entry(lib, "conv_pool_fwd", w.dtype)(_ptr(x_split), _ptr(rows), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg),
-                                          b, h, wd, k, cin, o, r, s)
-    return y.permute(0, 3, 1, 2), ((x_split, rows, arg), ((b, h, wd, k, cin, o, r, s), w.shape, lib))
+                                          b, h, wd, k, cin, o, r, s, int(client_major))
+    return (y if client_major else y.permute(0, 3, 1, 2),
+            ((x_split, rows, arg), ((b, h, wd, k, cin, o, r, s, int(client_major)), w.shape, lib)))
+
+
+def _has_slack(t: torch.Tensor) -> bool:
+    """Whether 64 bytes past `t`'s end are still its storage's (a `_padded` tensor)."""
+    end = t.storage_offset() + t.numel()
+    return t.untyped_storage().nbytes() >= (end * t.element_size()) + 64
 
 
 def conv_pool_bwd(saved: tuple, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The first layer's weight and bias gradients from `conv_pool_fwd`'s saved state and the output's
-    gradient gy [B, K·O, Hp, Wp] (a view of [B, Hp, Wp, K·O] memory, as the second layer's backward gives it)."""
+    gradient gy [B, K·O, Hp, Wp] (a view of [B, Hp, Wp, K·O] memory, as the second layer's backward gives it);
+    client-major: gy [K, B, O, Hp, Wp] as `conv2_pool_bwd` gives it in that mode (with the slack it reads)."""
     (x_split, rows, arg), (dims, w_shape, lib) = saved
-    gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
+    if dims[-1]:
+        b, _, _, k, _, o = dims[:6]
+        if gy.dim() != 5 or gy.shape[:3] != (k, b, o) or not gy.is_contiguous() or gy.dtype != x_split.dtype:
+            raise ValueError(f"conv_pool_bwd: client-major gy must be contiguous [K, B, O, Hp, Wp], got "
+                             f"{tuple(gy.shape)}")
+        gy = _padded(tuple(gy.shape), gy.dtype).copy_(gy) if not _has_slack(gy) else gy
+    else:
+        gy = gy.permute(0, 2, 3, 1).contiguous()   # [B, Hp, Wp, K·O] (a view when already channels-last)
     gw = torch.empty(w_shape, dtype=gy.dtype)
     gb = torch.empty(w_shape[0], dtype=gy.dtype)
     _entry(lib, "conv_pool_bwd", gy.dtype)(_ptr(x_split), _ptr(rows), _ptr(gy), _ptr(arg), _ptr(gw), _ptr(gb), *dims)
@@ -323,34 +353,46 @@ def inner_fits(in_channels: int, out_channels: int, kernel: tuple[int, int], dty
 
 
 def conv2_pool_fwd(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
-                   variant: str | None = None) -> tuple[torch.Tensor, tuple]:
+                   variant: str | None = None, client_major: bool = False) -> tuple[torch.Tensor, tuple]:
     """The second layer's forward without autograd (`Conv2PoolRelu`'s arguments): the output [K, B, O·Hp·Wp]
-    and what `conv2_pool_bwd` needs."""
+    and what `conv2_pool_bwd` needs. `client_major`: h is [K, B, H, W, Cin] (`conv_pool_fwd(...,
+    client_major=True)`), and `conv2_pool_bwd` gives the input's gradient as [K, B, Cin, H, W]."""
     lib = _lib(variant)
     _check_dtypes("conv2_pool_relu", h, w, bias)
-    b, kc, hh, wd = h.shape
+    if client_major:
+        if h.dim() != 5 or h.shape[0] != k or not h.is_contiguous():
+            raise ValueError(f"conv2_pool_fwd: client-major h must be contiguous [K, B, H, W, Cin], "
+                             f"got {tuple(h.shape)}")
+        _, b, hh, wd, cin = h.shape
+        kc = k * cin
+    else:
+        b, kc, hh, wd = h.shape
     cin, o, r, s = kc // k, w.shape[0] // k, w.shape[2], w.shape[3]
     if not inner_fits(cin, o, (r, s), w.dtype):
         raise ValueError(f"conv2_pool_relu: no kernel for {cin}→{o} channels, {r}×{s}, {w.dtype} (see inner_fits)")
     hp, wp = (hh - r + 1) // 2, (wd - s + 1) // 2
-    hl, w, bias = h.permute(0, 2, 3, 1).contiguous(), w.contiguous(), bias.contiguous()  # [B, H, W, K·Cin]
+    hl = h if client_major else h.permute(0, 2, 3, 1).contiguous()  # [K, B, H, W, Cin] or [B, H, W, K·Cin]
+    w, bias = w.contiguous(), bias.contiguous()
     y = torch.empty((k, b, o * hp * wp), dtype=w.dtype)
     arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
     _ok(_entry(lib, "conv2_pool_fwd", w.dtype)(_ptr(hl), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg),
-                                              b, hh, wd, k, cin, o, r, s))
-    return y, ((hl, w, arg), ((b, hh, wd, k, cin, o, r, s), lib))
+                                              b, hh, wd, k, cin, o, r, s, int(client_major)))
+    return y, ((hl, w, arg), ((b, hh, wd, k, cin, o, r, s, int(client_major)), lib))
 
 
 def conv2_pool_bwd(saved: tuple, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The second layer's input, weight and bias gradients from `conv2_pool_fwd`'s saved state and the
-    output's gradient gy [K, B, O·Hp·Wp]; the input's is [B, K·Cin, H, W] in channels-last memory."""
+    output's gradient gy [K, B, O·Hp·Wp]; the input's is [B, K·Cin, H, W] in channels-last memory, or, client-major,
+    [K, B, Cin, H, W] with the slack `conv_pool_bwd` reads."""
     (hl, w, arg), (dims, lib) = saved
     gy = gy.contiguous()
-    gh = torch.empty_like(hl)
+    b, hh, wd, k, cin = dims[:5]
+    client_major = dims[-1]
+    gh = _padded((k, b, cin, hh, wd), hl.dtype) if client_major else torch.empty_like(hl)
     gw, gb = torch.empty_like(w), torch.empty(w.shape[0], dtype=w.dtype)
     _ok(_entry(lib, "conv2_pool_bwd", w.dtype)(_ptr(hl), _ptr(w), _ptr(gy), _ptr(arg), _ptr(gh), _ptr(gw), _ptr(gb),
                                               *dims))
-    return gh.permute(0, 3, 1, 2), gw, gb
+    return (gh if client_major else gh.permute(0, 3, 1, 2)), gw, gb
 
 
 class Conv2PoolRelu(torch.autograd.Function):
@@ -378,3 +420,82 @@ def conv2_pool_relu(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int
                     variant: str | None = None) -> torch.Tensor:
     """The second layer with `variant`'s kernels (default: the chosen variant, `chosen()`)."""
     return Conv2PoolRelu.apply(h, w, bias, k, variant)
+
+
+def _torch_update(p: torch.Tensor, g: torch.Tensor, anchor: torch.Tensor | None, mu: torch.Tensor | None,
+                  corr: torch.Tensor | None, neg_lr: float) -> None:
+    """The engine's torch ops for one parameter stack's FedProx / SCAFFOLD step (what `sgd_update` fuses)."""
+    if mu is not None:
+        g = g + mu.view(-1, *([1] * (p.dim() - 1))) * (p - anchor)
+    if corr is not None:
+        g = g + corr
+    p.add_(g, alpha=neg_lr)
+
+
+def sgd_update(p: torch.Tensor, g: torch.Tensor, anchor: torch.Tensor | None, mu: torch.Tensor | None,
+               corr: torch.Tensor | None, neg_lr: float, variant: str | None = None,
+               terms: torch.Tensor | None = None) -> None:
+    """In place, p [K, ...] ← p − lr·(g + μₖ(p − anchor) + corr), element for element in the rounding of the torch
+    ops it replaces (`_torch_update`; coordinator/sim/kernels/conv_pool.cpp, `sgd_update`): one pass over memory
+    instead of four. `anchor`: one row broadcast to every client ([...]) or one per client ([K, ...]); `mu` [K] or
+    None (no FedProx term); `corr` [K, ...] or None (no SCAFFOLD correction). All contiguous, one dtype.
+    `terms` (uint8 [K], or None: every client gets the terms given): bit 1 gives client k the FedProx term, bit 2
+    the correction; a client with neither is updated as `p.add_(g, alpha=-lr)` (a lockstep sweep's merged
+    computation of plain, FedProx and SCAFFOLD clients)."""
+    lib = _lib(variant)
+    k = p.shape[0]
+    n = p[0].numel() if k else 0
+    ts = [t for t in (p, g, anchor, mu, corr) if t is not None]
+    _check_dtypes("sgd_update", *ts)
+    if not all(t.is_contiguous() for t in ts) or g.shape != p.shape or (corr is not None and corr.shape != p.shape):
+        raise ValueError("sgd_update: p, g and corr must be contiguous stacks of one shape")
+    if mu is not None and (anchor is None or mu.shape != (k,) or anchor.numel() not in (n, k * n)):
+        raise ValueError("sgd_update: mu must be [K] with an anchor of one row or one per client")
+    if terms is not None and (terms.dtype != torch.uint8 or terms.shape != (k,) or not terms.is_contiguous()):
+        raise ValueError("sgd_update: terms must be contiguous uint8 [K]")
+    stride = 0 if anchor is None or anchor.numel() == n else n
+    _entry(lib, "sgd_update", p.dtype)(_ptr(p), _ptr(g), _ptr(anchor) if mu is not None else None, stride,
+                                       _ptr(mu) if mu is not None else None,
+                                       _ptr(corr) if corr is not None else None,
+                                       _ptr(terms) if terms is not None else None, neg_lr, k, n)
+
+
+_exact: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def sgd_update_exact(variant: str, dtype: torch.dtype) -> bool:
+    """Whether `sgd_update` with `variant`'s library gives the bits of the torch ops it replaces, in this process
+    (torch's add with alpha is one fma in its vectorised loop and in its scalar tail on the CPUs measured; a torch
+    or a CPU where it is not keeps the torch ops). Checked once per variant and dtype on random stacks whose
+    lengths exercise every vector tail, with and without each term; the engine uses the kernel only where True."""
+    key = (variant, dtype)
+    if key not in _exact:
+        gen = torch.Generator().manual_seed(20261123)
+        ok = available(variant)
+        for n in [*range(1, 40), 61, 64, 97, 150, 1000, 4099] if ok else []:
+            k = 1 + n % 3
+            p0 = torch.randn(k, n, generator=gen, dtype=dtype)
+            g = torch.randn(k, n, generator=gen, dtype=dtype) * 10.0 ** (n % 5 - 2)
+            a1 = torch.randn(n, generator=gen, dtype=dtype)
+            ak = torch.randn(k, n, generator=gen, dtype=dtype)
+            mu = torch.rand(k, generator=gen, dtype=dtype)
+            mu[0] = 0.0
+            c = torch.randn(k, n, generator=gen, dtype=dtype) * 0.1
+            for anchor, m, cc in ((a1, mu, None), (ak, mu, None), (None, None, c), (a1, mu, c), (None, None, None)):
+                want, got = p0.clone(), p0.clone()
+                _torch_update(want, g, anchor, m, cc, -0.0123)
+                sgd_update(got, g, anchor, m, cc, -0.0123, variant)
+                ok = ok and bool(torch.equal(want.view(torch.int32 if dtype == torch.float32 else torch.int64),
+                                             got.view(torch.int32 if dtype == torch.float32 else torch.int64)))
+        _exact[key] = ok
+    return _exact[key]
+
+
+def fused_update(variant: str | None, dtype: torch.dtype) -> bool:
+    """Whether the engine updates FedProx and SCAFFOLD steps with `sgd_update` (`variant`'s library): where its
+    bits are torch's (`sgd_update_exact`) and the fma is an instruction (x86's avx512 and avx2 variants, every
+    aarch64 build); x86's generic build would call libm's fma per element, slower than the torch ops."""
+    if variant is None or variant == "off":
+        return False
+    hardware_fma = variant in ("avx512", "avx2") or platform.machine().lower() in ("aarch64", "arm64")
+    return hardware_fma and sgd_update_exact(variant, dtype)

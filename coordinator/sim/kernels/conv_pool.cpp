@@ -72,6 +72,7 @@ struct Shape {
   int64_t B, H, W, K, Cin, O, R, S;
   int64_t Hp, Wp, C, taps;
   int64_t chunks, PW;  // column chunks of L lanes per pooled row; padded width of a split half-row
+  bool cm = false;     // client-major layouts (the step by hand): y [K, B, Hp, Wp, O], gy [K, B, O, Hp, Wp]
 };
 
 template <typename T>
@@ -173,9 +174,11 @@ void forward(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y, 
             vec out;
             const auto a = pool_relu<T>(acc[0][ob], acc[1][ob], acc[2][ob], acc[3][ob], out);
             uint8_t* ao = arg + (((k * s.B + b) * s.O + o) * s.Hp + i) * s.Wp + j0;
-            T* yo = y + ((b * s.Hp + i) * s.Wp + j0) * s.C + k * s.O + o;
+            T* yo = s.cm ? y + (((k * s.B + b) * s.Hp + i) * s.Wp + j0) * s.O + o
+                         : y + ((b * s.Hp + i) * s.Wp + j0) * s.C + k * s.O + o;
+            const int64_t ys = s.cm ? s.O : s.C;
             for (int64_t l = 0; l < nj; ++l) {
-              yo[l * s.C] = out[l];
+              yo[l * ys] = out[l];
               ao[l] = static_cast<uint8_t>(a[l]);
             }
           }
@@ -194,6 +197,10 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
   // logical lane j % (LOGICAL / sizeof(T)), i.e. slot (j / L) % G, lane j % L (one slot when VB = LOGICAL)
   std::vector<vec> acc_all(s.K * s.O * s.taps * G), db_all(s.K * s.O * G);
   const int64_t img = split_size(s);
+  typedef decltype(vec{} < vec{}) ivec;                          // the comparisons' integer lanes
+  typedef uint8_t bytes __attribute__((vector_size(L)));          // L window indices
+  ivec lane;
+  for (int l = 0; l < L; ++l) lane[l] = l;
   for (int64_t b = 0; b < s.B; ++b) {    // sample-major: gy[b] (all clients' channels) stays in cache
     for (int64_t k = 0; k < s.K; ++k) {
       const T* split = xs + rows[k * s.B + b] * img;
@@ -208,13 +215,25 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
             for (int ob = 0; ob < OB; ++ob) {
               const int64_t o = o0 + ob;
               const uint8_t* ao = arg + (((k * s.B + b) * s.O + o) * s.Hp + i) * s.Wp + j0;
-              const T* go = gy + ((b * s.Hp + i) * s.Wp + j0) * s.C + k * s.O + o;
               vec gv{};
               auto av = gv < gv;
-              for (int64_t l = 0; l < nj; ++l) {
-                av[l] = ao[l];
-                gv[l] = ao[l] < 4 ? go[l * s.C] : T(0);
-                any |= ao[l] < 4;
+              if (s.cm) {  // the row's gradients and window indices as whole vectors (the caller pads both
+                           // buffers by a vector: lanes past the row are read, then masked)
+                const T* go = gy + (((k * s.B + b) * s.O + o) * s.Hp + i) * s.Wp + j0;
+                bytes a8;
+                std::memcpy(&a8, ao, sizeof(a8));
+                av = __builtin_convertvector(a8, ivec);
+                av = lane < static_cast<typename std::remove_reference<decltype(lane[0])>::type>(nj) ? av : 4;
+                const auto routed = av < 4;
+                gv = routed ? loadu(go) : vec{};
+                for (int l = 0; l < L; ++l) any |= routed[l] != 0;
+              } else {
+                const T* go = gy + ((b * s.Hp + i) * s.Wp + j0) * s.C + k * s.O + o;
+                for (int64_t l = 0; l < nj; ++l) {
+                  av[l] = ao[l];
+                  gv[l] = ao[l] < 4 ? go[l * s.C] : T(0);
+                  any |= ao[l] < 4;
+                }
               }
               db[o * G] += gv;
               for (int p = 0; p < 4; ++p) g[p][ob] = av == p ? gv : vec{};
@@ -292,6 +311,7 @@ constexpr int JB_MAX = jb_for(1);
 struct Inner {
   int64_t B, H, W, K, O, Hp, Wp, C;
   int64_t nJB, XS;  // column blocks of JB_MAX; padded row stride of xk (elements)
+  bool cm = false;  // client-major layouts (the step by hand): h [K, B, H, W, CIN], gh [K, B, CIN, H, W]
 };
 
 template <typename T>
@@ -306,10 +326,16 @@ Inner make_inner(int64_t B, int64_t H, int64_t W, int64_t K, int64_t O) {
   return s;
 }
 
-// Client k's input of sample b into xk[y * XS + x * CIN + ci], zero-padded.
+// Client k's input of sample b into xk[y * XS + x * CIN + ci]. Only x < W is written: the padding past it is
+// zero from the buffer's allocation (std::vector<T>(n) value-initialises) and never written (a memset of the
+// whole buffer per sample was ~2 % of a step).
 template <typename T>
 void gather_client(const T* h, const Inner& s, int64_t b, int64_t k, T* xk) {
-  std::memset(xk, 0, sizeof(T) * s.H * s.XS);
+  if (s.cm) {  // a row of client k's sample b is W * CIN contiguous values
+    for (int64_t y = 0; y < s.H; ++y)
+      std::memcpy(xk + y * s.XS, h + ((k * s.B + b) * s.H + y) * s.W * CIN2, sizeof(T) * s.W * CIN2);
+    return;
+  }
   for (int64_t y = 0; y < s.H; ++y)
     for (int64_t x = 0; x < s.W; ++x) {
       const T* src = h + ((b * s.H + y) * s.W + x) * s.C + k * CIN2;
@@ -439,11 +465,19 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
           for (; r0 + RB <= R2; r0 += RB) rows(r0, std::integral_constant<int, RB>{});
           if (r0 < R2) rows(r0, std::integral_constant<int, R2 % RB == 0 ? 1 : R2 % RB>{});
         }
-      for (int64_t yy = 0; yy < s.H; ++yy)
-        for (int64_t x = 0; x < s.W; ++x) {
-          T* dst = gh + ((b * s.H + yy) * s.W + x) * s.C + k * CIN2;
-          for (int ci = 0; ci < CIN2; ++ci) dst[ci] = dxk[yy * s.XS + x * CIN2 + ci];
-        }
+      if (s.cm) {
+        for (int ci = 0; ci < CIN2; ++ci)
+          for (int64_t yy = 0; yy < s.H; ++yy) {
+            T* dst = gh + (((k * s.B + b) * CIN2 + ci) * s.H + yy) * s.W;
+            for (int64_t x = 0; x < s.W; ++x) dst[x] = dxk[yy * s.XS + x * CIN2 + ci];
+          }
+      } else {
+        for (int64_t yy = 0; yy < s.H; ++yy)
+          for (int64_t x = 0; x < s.W; ++x) {
+            T* dst = gh + ((b * s.H + yy) * s.W + x) * s.C + k * CIN2;
+            for (int ci = 0; ci < CIN2; ++ci) dst[ci] = dxk[yy * s.XS + x * CIN2 + ci];
+          }
+      }
     }
     const T* dl = reinterpret_cast<const T*>(dw.data());
     for (int64_t o = 0; o < s.O; ++o) {
@@ -452,6 +486,79 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
           gw[(k * s.O + o) * taps + ((l % CIN2) * R2 + r) * S2 + l / CIN2] = dl[(o * R2 + r) * RW + l];
       gb[k * s.O + o] = db[o];
     }
+  }
+}
+
+// ---- The SGD step of FedProx and SCAFFOLD clients, fused --------------------------------------------------------
+//
+// The engine's update of one parameter stack p [K, n] (client k's row k*n..) from its gradient g [K, n], torch's
+// ops one element at a time, in torch's order and rounding:
+//     g + mu_k * (p - a)      FedProx (a: the anchor, w_global's row: a + k * a_stride; mu: [K], or none)
+//     ... + c                 SCAFFOLD (the correction c [K, n], or none)
+//     p = fma(g', -lr, p)     p.add_(g', alpha=-lr): ATen's vectorised add computes other * alpha + self as one fma
+// `terms` [K] (or none: every client gets the terms given): bit 1 adds client k's FedProx term, bit 2 its
+// correction. A lockstep sweep merges plain, FedProx and SCAFFOLD clients of one lr into one computation and
+// gives each client the terms its own run's computation adds (coordinator/sim/lockstep.py).
+// Torch's ops stream the whole stack through memory four times, with a temporary each (the stacks of a
+// 20-client step are ~3.5 MB, past L2): for FedProx steps those passes cost more than a quarter of the step
+// (py-spy on Table 3's workers). Each product and sum is rounded on its own as in torch: no contraction here
+// (fp-contract=off below), the one fma is explicit. The engine checks these bits against torch's ops at run
+// time before using it (`kernels.sgd_update_exact`), so a torch whose add differs is never silently replaced.
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T, bool PROX, bool CORR>
+void sgd_row(T* __restrict pk, const T* __restrict gk, const T* __restrict ak, T m, const T* __restrict ck, T neg_lr,
+             int64_t n) {
+  for (int64_t e = 0; e < n; ++e) {
+    T gv = gk[e];
+    if (PROX) {
+      const T d = pk[e] - ak[e];
+      const T md = m * d;
+      gv = gv + md;
+    }
+    if (CORR) gv = gv + ck[e];
+    pk[e] = __builtin_fma(gv, neg_lr, pk[e]);
+  }
+}
+template <bool PROX, bool CORR>
+void sgd_row(float* __restrict pk, const float* __restrict gk, const float* __restrict ak, float m,
+             const float* __restrict ck, float neg_lr, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) {
+    float gv = gk[e];
+    if (PROX) {
+      const float d = pk[e] - ak[e];
+      const float md = m * d;
+      gv = gv + md;
+    }
+    if (CORR) gv = gv + ck[e];
+    pk[e] = __builtin_fmaf(gv, neg_lr, pk[e]);
+  }
+}
+#pragma GCC pop_options
+
+template <typename T>
+void sgd_update_any(T* p, const T* g, const T* a, int64_t a_stride, const T* mu, const T* c, const uint8_t* terms,
+                    T neg_lr, int64_t K, int64_t n) {
+  for (int64_t k = 0; k < K; ++k) {
+    const bool prox = mu && (!terms || (terms[k] & 1)), corr = c && (!terms || (terms[k] & 2));
+    T* pk = p + k * n;
+    const T* gk = g + k * n;
+    const T* ak = prox ? a + k * a_stride : nullptr;
+    const T* ck = corr ? c + k * n : nullptr;
+    const T m = prox ? mu[k] : T(0);
+    auto run = [&](auto pr, auto co) {
+      if constexpr (std::is_same<T, float>::value)
+        sgd_row<decltype(pr)::value, decltype(co)::value>(pk, gk, ak, m, ck, neg_lr, n);
+      else
+        sgd_row<T, decltype(pr)::value, decltype(co)::value>(pk, gk, ak, m, ck, neg_lr, n);
+    };
+    using Y = std::true_type;
+    using N = std::false_type;
+    if (prox && corr) run(Y{}, Y{});
+    else if (prox) run(Y{}, N{});
+    else if (corr) run(N{}, Y{});
+    else run(N{}, N{});
   }
 }
 
@@ -470,14 +577,16 @@ extern "C" {
   }                                                                                                        \
   void dropfl_conv_pool_fwd_##suffix(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y,  \
                                      uint8_t* arg, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin, \
-                                     int64_t O, int64_t R, int64_t S) {                                    \
-    const Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                               \
+                                     int64_t O, int64_t R, int64_t S, int64_t layout) {                    \
+    Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                                     \
+    s.cm = layout != 0;                                                                                    \
     with_block(O, [&](auto ob) { forward<T, decltype(ob)::value>(xs, rows, w, bias, y, arg, s); });     \
   }                                                                                                        \
   void dropfl_conv_pool_bwd_##suffix(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg, \
                                      T* gw, T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin, \
-                                     int64_t O, int64_t R, int64_t S) {                                    \
-    const Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                               \
+                                     int64_t O, int64_t R, int64_t S, int64_t layout) {                    \
+    Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                                     \
+    s.cm = layout != 0;                                                                                    \
     with_block(O, [&](auto ob) { backward<T, decltype(ob)::value>(xs, rows, gy, arg, gw, gb, s); });    \
   }
 
@@ -486,9 +595,10 @@ extern "C" {
 #define DROPFL_INNER(T, suffix)                                                                              \
   int dropfl_conv2_pool_fwd_##suffix(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, int64_t B,   \
                                      int64_t H, int64_t W, int64_t K, int64_t Cin, int64_t O, int64_t R,     \
-                                     int64_t S) {                                                          \
+                                     int64_t S, int64_t layout) {                                          \
     if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * LOGICAL / int64_t(sizeof(T))) return -1;              \
-    const Inner s = make_inner<T>(B, H, W, K, O);                                                          \
+    Inner s = make_inner<T>(B, H, W, K, O);                                                                \
+    s.cm = layout != 0;                                                                                    \
     const int64_t L = V<T>::L;                                                                             \
     if (O <= L) inner_forward<T, 1>(h, w, bias, y, arg, s);                                                \
     else if (O <= 2 * L) inner_forward<T, 2>(h, w, bias, y, arg, s);                                       \
@@ -498,15 +608,25 @@ extern "C" {
   }                                                                                                        \
   int dropfl_conv2_pool_bwd_##suffix(const T* h, const T* w, const T* gy, const uint8_t* arg, T* gh, T* gw,  \
                                      T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin,       \
-                                     int64_t O, int64_t R, int64_t S) {                                    \
+                                     int64_t O, int64_t R, int64_t S, int64_t layout) {                    \
     if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * LOGICAL / int64_t(sizeof(T))) return -1;              \
-    inner_backward<T>(h, w, gy, arg, gh, gw, gb, make_inner<T>(B, H, W, K, O));                            \
+    Inner s = make_inner<T>(B, H, W, K, O);                                                                \
+    s.cm = layout != 0;                                                                                    \
+    inner_backward<T>(h, w, gy, arg, gh, gw, gb, s);                                                       \
     return 0;                                                                                              \
+  }
+
+#define DROPFL_UPDATE(T, suffix)                                                                             \
+  void dropfl_sgd_update_##suffix(T* p, const T* g, const T* a, int64_t a_stride, const T* mu, const T* c,   \
+                                  const uint8_t* terms, double neg_lr, int64_t K, int64_t n) {             \
+    sgd_update_any<T>(p, g, a, a_stride, mu, c, terms, static_cast<T>(neg_lr), K, n);                     \
   }
 
 DROPFL_ENTRY(float, f32)
 DROPFL_ENTRY(double, f64)
 DROPFL_INNER(float, f32)
 DROPFL_INNER(double, f64)
+DROPFL_UPDATE(float, f32)
+DROPFL_UPDATE(double, f64)
 
 }  // extern "C"
