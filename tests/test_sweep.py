@@ -23,7 +23,7 @@ from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask
 
 TIMING = ("seconds", "elapsed")
-METHODS = ("mimic", "mifa", "fedprox")
+METHODS = ("mimic", "mifa", "fedprox", "scaffold")   # plain, FedProx and SCAFFOLD clients: merged computations
 
 
 def config(algo: str, seed: int, rounds: int = 3, model: str = "mimic-cnn") -> SimConfig:
@@ -82,10 +82,12 @@ def test_lockstep_sweep_equals_serial_bit_for_bit(tmp_path, cached):
     jobs = {ex: [Job(config(m, s), tmp_path / ex / f"{m}-s{s}", label=f"{m} seed {s}") for m in METHODS
                  for s in (0, 1)] for ex in ("serial", "lockstep")}
     lines: list[str] = []
-    assert plan(jobs["lockstep"]) == [(list(range(6)), None)]     # one group: same data, model, local work
+    assert plan(jobs["lockstep"]) == [(list(range(8)), None)]     # one group: same data, model, local work
     for ex in ("serial", "lockstep"):
         assert run_sweep(jobs[ex], executor=ex, progress=True, log=lines.append) == [j.out for j in jobs[ex]]
-    assert any(line.startswith("lockstep step 1: 6 runs") for line in lines)
+    assert any(line.startswith("lockstep step 1: 8 runs") for line in lines)
+    if kernels.fused_update(kernels.chosen(), torch.float32):   # plain, FedProx and SCAFFOLD clients merged
+        assert all(" in 2 computations" in line for line in lines if line.startswith("lockstep step")), lines
     for s, lk in zip(jobs["serial"], jobs["lockstep"]):
         a, b = files(s.out), files(lk.out)
         assert a == b, s.label

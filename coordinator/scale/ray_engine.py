@@ -55,8 +55,8 @@ class Trainer:
         """This actor's node: (address, Ray node id; several nodes may share an address on one machine)."""
         return self.node, self.node_id
 
-    def train(self, w_global: torch.Tensor, tasks: list, data=None, start=None) -> list[LocalResult]:
-        return self.group.train(w_global, tasks, data, start)
+    def train(self, w_global: torch.Tensor, tasks: list, data=None, start=None, terms=None) -> list[LocalResult]:
+        return self.group.train(w_global, tasks, data, start, terms)
 
 
 class RayEngine(BatchedEngine):

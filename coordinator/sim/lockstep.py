@@ -9,9 +9,15 @@ worker processes of one shared engine, which holds the data of every run (runs w
 equal share one copy), and each run gets its results back.
 
 Turns: a run's thread holds the group's lock whenever it runs its own code and gives it up only while it
-waits for its results. So outside training only one run computes at a time, with the process-wide state
-(torch's thread count, logging) exactly as a serial sweep has it, and nothing of a run interleaves
-with another's except at `run_round`. Each run's log records go to its own log.txt/log.jsonl (`_Router`).
+waits for its results, and while it evaluates its global model (`Lockstep.evaluating`: at most one evaluation
+per CPU at once). So outside training and evaluation only one run computes at a time, with the process-wide
+state (torch's thread count, logging) exactly as a serial sweep has it, and nothing of a run interleaves with
+another's except at `run_round` and `evaluate`. Each run's log records go to its own log.txt/log.jsonl
+(`_Router`). Why evaluations overlap: the training workers wait while the runs take their turns after a round,
+and the runs' evaluations (10,000 test images each) were most of that wait, one at a time on one core (py-spy
+on the uniform Table 3: the workers idle ~22 % of rounds 1+). An evaluation is a pure function of the run's
+weights (its own Evaluator or model; each sample's logits the same bits in any batch, with any thread count,
+alone or beside another evaluation: tests/test_sweep.py compares every metric with the serial executor's).
 
 Exactness (tests/test_sweep.py: model.pt and metrics bitwise equal to the serial executor's):
 1. The serial executor's engine cuts a run's tasks into `slices` and trains each as one computation.
@@ -23,12 +29,18 @@ Exactness (tests/test_sweep.py: model.pt and metrics bitwise equal to the serial
 2. `Group._train` makes some choices per computation: one lr (then `add_(alpha=-lr)`) or several
    (`addcmul_`), the padding width (the batch size), whether FedProx's μ term and SCAFFOLD's correction
    are added. A slice is merged only with slices that make the same choices (`_key`); others train alone.
+   With the fused update (`kernels.fused_update`: one pass per parameter, the terms chosen per client) the
+   terms are not a per-computation choice: each task carries its own slice's (`terms`), and plain, FedProx
+   and SCAFFOLD slices of one lr and batch size merge. In the uniform Table 3 that is 2 computations a round
+   instead of 6, of ~15 clients instead of 3-9: a step's fixed cost (~40 small ops, 4 kernel calls) is paid a
+   third as often.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.sim.batched import BatchedEngine, Group, _lenet, _logreg, _mlp, batched_forward
-from coordinator.sim.kernels import inner_fits
+from coordinator.sim.kernels import fused_update, inner_fits
 from coordinator.strategies import STRATEGIES
 from edge_client import logs
 from edge_client.trainer import LocalResult, TrainTask
@@ -85,12 +97,16 @@ def _merges(model: torch.nn.Module, group: Group) -> bool:
     return False
 
 
-def _key(tasks: list[TrainTask], merges: bool) -> tuple | None:
-    """What `Group._train` decides per computation for these tasks (a serial slice); None: train alone."""
+def _key(tasks: list[TrainTask], merges: bool, fused: bool = False) -> tuple[tuple, int] | None:
+    """What `Group._train` decides per computation for these tasks (a serial slice), and the terms its update adds
+    to each of them (`Group.train(terms=...)`: 1 FedProx's, 2 SCAFFOLD's correction); None: train alone. With the
+    fused update the terms are per task, so they are not part of the key."""
     lrs, sizes, mus = {t.lr for t in tasks}, {t.batch_size for t in tasks}, {t.prox_mu for t in tasks}
     if not merges or len(lrs) != 1 or len(sizes) != 1 or len(mus) != 1:
         return None
-    return (lrs.pop(), sizes.pop(), mus.pop(), any(t.grad_correction is not None for t in tasks))
+    mu, corrected = mus.pop(), any(t.grad_correction is not None for t in tasks)
+    terms = (1 if mu else 0) | (2 if corrected else 0)
+    return ((lrs.pop(), sizes.pop()) if fused else (lrs.pop(), sizes.pop(), mu, corrected)), terms
 
 
 class _Router(logging.Handler):
@@ -127,6 +143,7 @@ class _Request:
     tasks: list[TrainTask]
     base: int          # this run's client 0 in the shared engine's data
     merges: bool
+    fused: bool        # the engine updates FedProx/SCAFFOLD clients with the fused kernel (terms per client)
 
 
 class Lockstep:
@@ -149,6 +166,19 @@ class Lockstep:
         self.labels: set[str] = set()             # what the runs' proxies say they are (must match the engine)
         self.failed: BaseException | None = None
         self.rounds = 0
+        self.eval_slots = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))   # evaluations at once
+
+    def evaluating(self, evaluate: Callable[[torch.Tensor], tuple[float, float]]):
+        """`evaluate`, run outside this run's turn: the other runs take theirs meanwhile (their evaluations, at
+        most one per CPU at once, while the training workers wait for the round's last run)."""
+        def unlocked(w: torch.Tensor) -> tuple[float, float]:
+            self.cv.release()
+            try:
+                with self.eval_slots:
+                    return evaluate(w)
+            finally:
+                self.cv.acquire()
+        return unlocked
 
     def factory(self, rid: int, router: _Router):
         def make(model: torch.nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]]) -> _Proxy:
@@ -211,28 +241,29 @@ class Lockstep:
                 raise RuntimeError(f"lockstep: the runs expect {self.labels}, the engine is {self.engine.describe()}")
         rids = sorted(requests)
         ws = torch.stack([requests[r].w for r in rids])
-        merged: dict[tuple, list[tuple[int, int]]] = {}   # key → (rid, task index) of every merged task
+        merged: dict[tuple, list[tuple[int, int, int]]] = {}   # key → (rid, task index, terms) of every merged task
         parts: list[tuple] = []                           # (w, tasks, data, start) as Group.train takes them
         owners: list[list[tuple[int, int]]] = []
         for r in rids:
             req = requests[r]
             at = {id(t): i for i, t in enumerate(req.tasks)}
             for s in self.engine.slices(req.tasks):   # the serial executor's slices of this run's round
-                key = _key(s, req.merges)
+                key = _key(s, req.merges, req.fused)
                 if key is None:                       # trains alone, exactly as the serial slice
                     parts.append((req.w, s, [req.base + t.client for t in s], None))
                     owners.append([(r, at[id(t)]) for t in s])
                 else:
-                    merged.setdefault(key, []).extend((r, at[id(t)]) for t in s)
-        for members in merged.values():               # cut by count, independent of the worker count
+                    merged.setdefault(key[0], []).extend((r, at[id(t)], key[1]) for t in s)
+        for key, members in merged.items():           # cut by count, independent of the worker count
             g = min(self.engine.groups, len(members))
             bounds = [len(members) * i // g for i in range(g + 1)]
             for a, b in zip(bounds, bounds[1:]):
                 chunk = members[a:b]
-                tasks = [requests[r].tasks[i] for r, i in chunk]
-                parts.append((ws, tasks, [requests[r].base + t.client for (r, _), t in zip(chunk, tasks)],
-                              [rids.index(r) for r, _ in chunk]))
-                owners.append(chunk)
+                tasks = [requests[r].tasks[i] for r, i, _ in chunk]
+                terms = [m for _, _, m in chunk] if len(key) == 2 else None   # fused: each task's own terms
+                parts.append((ws, tasks, [requests[r].base + t.client for (r, _, _), t in zip(chunk, tasks)],
+                              [rids.index(r) for r, _, _ in chunk], terms))
+                owners.append([(r, i) for r, i, _ in chunk])
         out = {r: [None] * len(requests[r].tasks) for r in rids}
         for chunk, results in zip(owners, self.owner.submit(self.engine.run_parts, parts).result()):
             for (r, i), res in zip(chunk, results):
@@ -262,6 +293,7 @@ class _Proxy:
         probe = Group(model, x0[:1], torch.zeros(1, dtype=torch.long), [0], [1])
         self.native, self.device = probe.native, probe.device
         self.merges = _merges(model, probe)
+        self.fused = probe.native is not None and fused_update(probe.native, probe.x_all.dtype)
         lockstep.labels.add(self.describe())
 
     def describe(self) -> str:
@@ -272,7 +304,7 @@ class _Proxy:
                 "kernel": self.native, "lockstep": True, "merged": self.merges}
 
     def run(self, w: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
-        return self.lockstep.submit(self.rid, _Request(w, tasks, self.base, self.merges))
+        return self.lockstep.submit(self.rid, _Request(w, tasks, self.base, self.merges, self.fused))
 
     def close(self) -> None:
         """The shared engine outlives each run; the group closes it."""
@@ -294,7 +326,7 @@ def run_group(jobs: list, progress: bool, say: Callable[[str], None], workers: i
         with group.cv:   # this run's turn (given up only while it waits in Lockstep.submit)
             try:
                 run_sim(job.cfg, str(job.out), resume=job.resume, progress=False, overwrite=job.overwrite,
-                        make_engine=group.factory(rid, router))
+                        make_engine=group.factory(rid, router), wrap_evaluate=group.evaluating)
                 say(f"lockstep: {job.label or job.out} done")
             except BaseException as e:  # noqa: BLE001 (reported below, after the other runs)
                 errors[rid] = e

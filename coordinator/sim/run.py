@@ -17,8 +17,10 @@ log = logging.getLogger("dropfl.sim")
 
 
 def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = True, overwrite: bool = False,
-            make_engine=None) -> RunDir:
-    """`make_engine`: SimTransport's batched engine factory (a lockstep sweep's, coordinator/sim/lockstep.py)."""
+            make_engine=None, wrap_evaluate=None) -> RunDir:
+    """`make_engine`: SimTransport's batched engine factory (a lockstep sweep's, coordinator/sim/lockstep.py);
+    `wrap_evaluate(evaluate)`: what the round loop calls instead (a lockstep sweep's: other runs take their turn
+    while this one evaluates)."""
     # the profile is input too: checked before setup_run writes the run directory
     profile = load_profile(cfg.clock.profile, cfg.data.clients) if cfg.clock.profile else None
     engine = cfg.train.engine
@@ -37,6 +39,8 @@ def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = Tru
                              make_engine=make_engine)
     try:
         evaluate, how = evaluator(run, engine)
+        if wrap_evaluate is not None:
+            evaluate = wrap_evaluate(evaluate)
         line, fields = transport.summary()
         if how != "reference":
             line += f"; evaluation through the fused kernels ({how})"
