@@ -29,6 +29,16 @@ from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask, batch_plan, batch_table, client_generator
 
 
+def _fused() -> bool:
+    from coordinator.sim import kernels
+    return kernels.available() and kernels.fused_update(kernels.chosen(), torch.float32)
+
+
+FUSED = _fused()
+FUSED_OFF = ("the fused FedProx/SCAFFOLD update is off here: it runs with the native kernels of a variant whose fma "
+             "is an instruction (avx512, avx2, aarch64) and whose bits match torch's (kernels.fused_update)")
+
+
 def _data(sizes: list[int], shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.rand(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in sizes]
@@ -143,8 +153,7 @@ def test_models_without_both_fused_layers_use_autograd() -> None:
     assert not Group(build_model("mlp", (1, 28, 28)), x, y, [0], [20]).by_hand
 
 
-@pytest.mark.skipif(not __import__("coordinator.sim.kernels", fromlist=["x"]).available(),
-                    reason="the fused update runs only with the native kernels")
+@pytest.mark.skipif(not FUSED, reason=FUSED_OFF)
 @pytest.mark.parametrize("name,dtype", [("mimic-cnn", torch.float32), ("mimic-cnn", torch.float64),
                                         ("fdms-cnn", torch.float32)])
 def test_the_fused_fedprox_scaffold_update_gives_the_torch_ops_bits(name: str, dtype: torch.dtype,
@@ -186,8 +195,7 @@ def test_the_fused_fedprox_scaffold_update_gives_the_torch_ops_bits(name: str, d
                 assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
 
 
-@pytest.mark.skipif(not __import__("coordinator.sim.kernels", fromlist=["x"]).available(),
-                    reason="per-task terms need the fused update (native kernels)")
+@pytest.mark.skipif(not FUSED, reason=FUSED_OFF)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_plain_fedprox_and_scaffold_clients_merged_with_terms_keep_their_bits(dtype: torch.dtype) -> None:
     sizes = [40, 23, 16, 9, 30, 33]   # smaller last batches, different step counts

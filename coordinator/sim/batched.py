@@ -350,7 +350,7 @@ class Group:
         # _foreach_add_ over all parameters, which runs the same add_ per tensor (same bits, fewer calls;
         # tests/test_batched_fastpath.py). Not on CUDA, where foreach ops have their own fused kernels.
         plain_sgd = (same_lr and dev.type == "cpu"
-                     and (not any(t for t in terms) if terms is not None else not any(mu) and corr is None))
+                     and (not any(terms) if terms is not None else not any(mu) and corr is None))
         # FedProx's term and SCAFFOLD's correction with one lr: one fused pass per parameter, the same bits as the
         # torch ops below (`kernels.sgd_update`, checked against them once per process: `fused_update`)
         fused = (not plain_sgd and same_lr and dev.type == "cpu"
@@ -379,12 +379,12 @@ class Group:
                     torch._foreach_add_(list(live.values()), grads, alpha=neg_lr[0])
                     continue
                 if fused:   # the loop below, one pass per parameter
+                    mu_k = mu_t[:k] if mu_t is not None and any(mu[:k]) else None
+                    terms_k = None if terms_t is None else terms_t[:k]
                     for (n, p), g in zip(params.items(), grads):
-                        kernels.sgd_update(p[:k], g.contiguous(),
-                                           anchors[n] if start is None else anchors[n][:k],
-                                           mu_t[:k] if mu_t is not None and any(mu[:k]) else None,
-                                           corr[n][:k] if corr is not None else None, neg_lr[0], self.native,
-                                           None if terms_t is None else terms_t[:k])
+                        kernels.sgd_update(p[:k], g.contiguous(), anchors[n] if start is None else anchors[n][:k],
+                                           mu_k, corr[n][:k] if corr is not None else None, neg_lr[0], self.native,
+                                           terms_k)
                     continue
                 for (n, p), g in zip(params.items(), grads):
                     s = p.shape[1:]

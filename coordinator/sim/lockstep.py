@@ -254,13 +254,14 @@ class Lockstep:
                     owners.append([(r, at[id(t)]) for t in s])
                 else:
                     merged.setdefault(key[0], []).extend((r, at[id(t)], key[1]) for t in s)
-        for key, members in merged.items():           # cut by count, independent of the worker count
+        for members in merged.values():               # cut by count, independent of the worker count
             g = min(self.engine.groups, len(members))
             bounds = [len(members) * i // g for i in range(g + 1)]
             for a, b in zip(bounds, bounds[1:]):
                 chunk = members[a:b]
                 tasks = [requests[r].tasks[i] for r, i, _ in chunk]
-                terms = [m for _, _, m in chunk] if len(key) == 2 else None   # fused: each task's own terms
+                fused = requests[chunk[0][0]].fused       # the same for every run of the group (one engine)
+                terms = [m for _, _, m in chunk] if fused else None   # fused: each task's own slice's terms
                 parts.append((ws, tasks, [requests[r].base + t.client for (r, _, _), t in zip(chunk, tasks)],
                               [rids.index(r) for r, _, _ in chunk], terms))
                 owners.append([(r, i) for r, i, _ in chunk])

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -250,9 +251,7 @@ def split_images(x: torch.Tensor, kernel_width: int, variant: str | None = None)
 def _padded(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous tensor with 64 bytes of slack after it: the client-major backward reads a
     row's last vector whole (lanes past the row are masked), which may run past the last row."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     return torch.empty(n + 64 // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)[:n].view(shape)
 
 

@@ -199,6 +199,7 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
   std::vector<vec> acc_all(s.K * s.O * s.taps * G), db_all(s.K * s.O * G);
   const int64_t img = split_size(s);
   typedef decltype(vec{} < vec{}) ivec;                          // the comparisons' integer lanes
+  typedef std::remove_reference_t<decltype(ivec{}[0])> ilane;     // int32 for floats, int64 for doubles
   typedef uint8_t bytes __attribute__((vector_size(L)));          // L window indices
   ivec lane;
   for (int l = 0; l < L; ++l) lane[l] = l;
@@ -224,7 +225,7 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
                 bytes a8;
                 std::memcpy(&a8, ao, sizeof(a8));
                 av = __builtin_convertvector(a8, ivec);
-                av = lane < static_cast<typename std::remove_reference<decltype(lane[0])>::type>(nj) ? av : 4;
+                av = lane < ilane(nj) ? av : 4;
                 const auto routed = av < 4;
                 gv = routed ? loadu(go) : vec{};
                 for (int l = 0; l < L; ++l) any |= routed[l] != 0;
