@@ -9,7 +9,8 @@ the machine do not add to. Each child trains once to warm up (kernel load, alloc
 times; the child's number is its fastest call. It also hashes the deltas, so the report says whether the
 two trees computed the same bits (a change that claims to be exact must print `same bits: yes`).
 
-Workload: mimic-cnn on FMNIST (the Table 3 model), `--clients` clients × 2000 samples, batch 16,
+Workload: mimic-cnn on FMNIST (the Table 3 model), `--clients` clients × 2000 samples, batch 16 (`--mix`: every
+third client with FedProx's term, the fused update of a sweep of several methods),
 `--steps` SGD steps each.
 
     git worktree add /tmp/before HEAD          # the code before the change
@@ -38,6 +39,7 @@ from edge_client.datasets import load_fmnist
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask
 clients, steps, calls, native = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+mix = sys.argv[6] == "1"
 ds = load_fmnist()
 n = 2000
 x, y = ds.train.x[: clients * n].contiguous(), ds.train.y[: clients * n].contiguous()
@@ -47,7 +49,8 @@ group = Group(model, x, y, [i * n for i in range(clients)], [n] * clients, threa
               native=False if native == "off" else True)
 setup = time.process_time() - t0
 w = get_flat(model)
-tasks = [TrainTask(client=i, round=1, lr=0.01, batch_size=16, steps=steps, seed=3) for i in range(clients)]
+tasks = [TrainTask(client=i, round=1, lr=0.01, batch_size=16, steps=steps, seed=3,
+                   prox_mu=0.001 if mix and i % 3 == 1 else 0.0) for i in range(clients)]
 group.train(w, tasks)   # warm-up
 best, digest = float("inf"), None
 for _ in range(calls):
@@ -63,7 +66,7 @@ print(json.dumps({"seconds": best, "digest": digest, "setup": setup, "kernel": g
 
 def child(tree: Path, args: argparse.Namespace) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(args.clients), str(args.steps),
-                           str(args.calls), args.native], capture_output=True, text=True,
+                           str(args.calls), args.native, str(int(args.mix))], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         sys.exit(f"step_ab: the child for {tree} failed:\n{proc.stderr[-3000:]}")
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--clients", type=int, default=15)
     ap.add_argument("--native", choices=["auto", "off"], default="auto", help="off: torch ops for the conv layers")
+    ap.add_argument("--mix", action="store_true", help="every third client with FedProx's term (μ 0.001): the "
+                    "fused update's path, as in a lockstep sweep of several methods")
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args()
     if not (args.before / "coordinator" / "sim" / "batched.py").exists():
@@ -94,7 +99,8 @@ def main() -> None:
     per_step = {n: [1000 * r["seconds"] / args.steps for r in rs] for n, rs in runs.items()}
     same = {r["digest"] for rs in runs.values() for r in rs}
     result = {
-        "workload": f"mimic-cnn FMNIST, {args.clients} clients x {args.steps} steps, batch 16, 1 thread",
+        "workload": f"mimic-cnn FMNIST, {args.clients} clients x {args.steps} steps, batch 16, 1 thread"
+                    + (", every third client FedProx (fused update)" if args.mix else ""),
         "native": args.native, "kernel": runs["after"][0]["kernel"], "repeats": args.repeats,
         "ms_per_step": {n: {"min": min(v), "median": statistics.median(v), "all": v} for n, v in per_step.items()},
         "speedup_min": min(per_step["before"]) / min(per_step["after"]),

@@ -10,10 +10,10 @@
 - The LeNets' step by hand (`batched._lenet_step`): with both layers fused, each step's forward, loss and
   gradients are computed without autograd, by the ops autograd runs; the weights and losses must be bitwise
   those of the autograd path (`Group.by_hand = False`).
-- The FedProx / SCAFFOLD update with one lr (`kernels.sgd_update`): one fused pass per parameter instead of the
-  torch ops g + μ(w − w_global), + c, w.add_(g, alpha=−lr); the weights must be bitwise those of the torch ops
-  (`kernels.fused_update` turned off), from one start (a serial slice) and from one start per task (lockstep);
-  and with per-task terms (`Group.train(terms=...)`), plain, FedProx and SCAFFOLD clients trained as one
+- The FedProx / SCAFFOLD update with one lr (`kernels.sgd_update`, through `kernels.sgd_updater`): one fused pass per
+  parameter instead of the torch ops g + μ(w − w_global), + c, w.add_(g, alpha=−lr); the weights must be bitwise those
+  of the torch ops (`kernels.fused_update` turned off), from one start (a serial slice) and from one start per task
+  (lockstep); and with per-task terms (`Group.train(terms=...)`), plain, FedProx and SCAFFOLD clients trained as one
   computation get the bits each gets in a computation of its own kind (how a lockstep sweep merges them).
 """
 
@@ -176,8 +176,8 @@ def test_the_fused_fedprox_scaffold_update_gives_the_torch_ops_bits(name: str, d
         "both": [TrainTask(client=c, round=2, lr=0.03, batch_size=8, steps=4, seed=5, prox_mu=0.01,
                            grad_correction=corr[c]) for c in range(len(sizes))]}
     calls = []
-    update = kernels.sgd_update
-    monkeypatch.setattr(kernels, "sgd_update", lambda *a, **k: calls.append(1) or update(*a, **k))
+    update = kernels.sgd_updater
+    monkeypatch.setattr(kernels, "sgd_updater", lambda *a, **k: calls.append(1) or update(*a, **k))
     group = Group(model, x_all, y_all, offsets, sizes, threads=1)
     for tasks in rounds.values():
         for start in (None, [c % 2 for c in range(len(sizes))]):
@@ -190,7 +190,7 @@ def test_the_fused_fedprox_scaffold_update_gives_the_torch_ops_bits(name: str, d
             ops = group.train(w0, tasks, start=start)
             assert not calls, "the torch ops did not run"
             monkeypatch.undo()
-            monkeypatch.setattr(kernels, "sgd_update", lambda *a, **k: calls.append(1) or update(*a, **k))
+            monkeypatch.setattr(kernels, "sgd_updater", lambda *a, **k: calls.append(1) or update(*a, **k))
             for a, b in zip(fused, ops):
                 assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
 

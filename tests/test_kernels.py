@@ -395,6 +395,36 @@ def test_the_fused_update_gives_the_torch_ops_bits(variant: str, dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_updater_gives_sgd_updates_bits_step_after_step(variant: str, dtype: torch.dtype) -> None:
+    """`sgd_updater` (the engine's update of one parameter stack, its operands checked once): step after step, on
+    the first k clients (clients that finished drop off the end), with and without FedProx's term, with per-client
+    terms, the same bits as `sgd_update` on the same slices."""
+    gen = torch.Generator().manual_seed(11)
+    as_int = torch.int32 if dtype == torch.float32 else torch.int64
+    k_all, shape = 5, (7, 13)
+    own = torch.randn(k_all, *shape, generator=gen, dtype=dtype)
+    mu = torch.rand(k_all, generator=gen, dtype=dtype)
+    c = 0.1 * torch.randn(k_all, *shape, generator=gen, dtype=dtype)
+    terms = torch.tensor([0, 1, 2, 3, 1], dtype=torch.uint8)
+    for anchor, m, cc, tt in ((own[0], mu, None, None), (own, mu, c, terms), (None, None, c, None)):
+        p0 = torch.randn(k_all, *shape, generator=gen, dtype=dtype)
+        want, got = p0.clone(), p0.clone()
+        update = kernels.sgd_updater(got, anchor, m, cc, variant, tt)
+        for step, (k, prox) in enumerate([(5, True), (5, False), (4, True), (2, True)]):
+            g = torch.randn(k, *shape, generator=gen, dtype=dtype)
+            a = anchor if anchor is None or anchor.dim() == len(shape) else anchor[:k]
+            kernels.sgd_update(want[:k], g, a, m[:k] if m is not None and prox else None,
+                               None if cc is None else cc[:k], -0.05 * (step + 1), variant,
+                               None if tt is None else tt[:k])
+            update(g, k, -0.05 * (step + 1), prox)
+            assert torch.equal(want.view(as_int), got.view(as_int)), (step, k, prox)
+        with pytest.raises(ValueError, match="g must be"):
+            update(torch.randn(2, 7, 12, dtype=dtype), 2, -0.1)
+    with pytest.raises(ValueError, match="mu must be"):
+        kernels.sgd_updater(own.clone(), None, mu, None, variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("cin,side,o", [(1, 28, 6), (3, 32, 6), (1, 41, 3)])
 def test_client_major_layouts_give_the_same_bits(cin: int, side: int, o: int, dtype: torch.dtype,
                                                  variant: str) -> None:

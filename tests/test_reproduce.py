@@ -275,3 +275,16 @@ def test_report_only_before_any_run_draws_empty_panels_without_warnings(name, tm
         assert cli.main(args) == 0
     stem = QUICK[name][0]
     assert (tmp_path / "res" / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_jobs_run_trial_by_trial(tmp_path):
+    """The lockstep executor groups the jobs in their order: one trial's runs together share their data and
+    their round 0 (identical tasks train once), so the jobs go trial by trial, then τmax, then method."""
+    from coordinator.report.reproduce import Setup, plan_grid
+
+    setup = Setup(rounds=2, clients=6, steps=2, model="logreg", engine="loop", threads=1)
+    methods = list(METHODS)[:2]
+    _, jobs = plan_grid(setup, methods, [3, 5], 2, tmp_path, lambda _: None, False)
+    names = [j.out.name for j in jobs]
+    assert len(names) == 8 and [n.rsplit("-s", 1)[1] for n in names] == ["0"] * 4 + ["1"] * 4
+    assert [n.split("-tau")[1].split("-")[0] for n in names[:4]] == ["3", "3", "5", "5"]

@@ -86,6 +86,9 @@ def test_lockstep_sweep_equals_serial_bit_for_bit(tmp_path, cached):
     for ex in ("serial", "lockstep"):
         assert run_sweep(jobs[ex], executor=ex, progress=True, log=lines.append) == [j.out for j in jobs[ex]]
     assert any(line.startswith("lockstep step 1: 8 runs") for line in lines)
+    # round 0 (everyone trains from the seed's initial model): MimiC's and MIFA's tasks are the same, trained once
+    assert any(line.startswith("lockstep step 1: 8 runs, 48 clients (12 identical to another run's, trained once)")
+               for line in lines), lines
     if kernels.fused_update(kernels.chosen(), torch.float32):   # plain, FedProx and SCAFFOLD clients merged
         assert all(" in 2 computations" in line for line in lines if line.startswith("lockstep step")), lines
     for s, lk in zip(jobs["serial"], jobs["lockstep"]):

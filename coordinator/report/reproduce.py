@@ -265,6 +265,7 @@ def plan_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, ro
     cells: dict[tuple[str, int], list[tuple[int, Path]]] = {}
     jobs = []
     ran: dict[tuple[str, int], list[tuple[np.ndarray, Path]]] = {}   # (method, trial) → [(τ_i, run dir)]
+    order: dict[Path, tuple[int, int, int]] = {}   # run dir → (trial, τmax, method): the jobs' order
     total, k = len(methods) * len(taus) * trials, 0
     for tau in sorted(taus):
         for method in methods:
@@ -289,6 +290,12 @@ def plan_grid(setup: Setup, methods: list[str], taus: list[int], trials: int, ro
                     continue
                 ran.setdefault((method, trial), []).append((tau_i, path))
                 cell.append((trial, path))
+                order[path] = (trial, tau, methods.index(method))
+    # run trial by trial: the lockstep executor cuts the jobs into groups of ≤ 16 in this order, and one trial's
+    # 15 runs share their client data (one copy per group) and their round 0 (every client trains from the
+    # trial's initial model: FedAvg's, MIFA's and MimiC's tasks at every τmax are identical and train once,
+    # coordinator/sim/lockstep.py `_unique`), which τmax by τmax they did not
+    jobs.sort(key=lambda job: order[job.out])
     return cells, jobs
 
 

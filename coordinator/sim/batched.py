@@ -360,6 +360,9 @@ class Group:
         mu_t = torch.tensor(mu, dtype=w0.dtype) if fused and any(mu) else None
         terms_t = torch.tensor(terms, dtype=torch.uint8) if fused and terms is not None else None
         loss_sum = torch.zeros(k_all, dtype=torch.float64, device=dev)
+        if fused:   # one updater per parameter stack: its operands checked once, not every step
+            updaters = [kernels.sgd_updater(p, anchors[n], mu_t, corr[n] if corr is not None else None, self.native,
+                                            terms_t) for n, p in params.items()]
         for step in self._steps(tasks, plans, data):
             k = step.k
             if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
@@ -378,13 +381,10 @@ class Group:
                 if plain_sgd:   # w ← w − lr·g for every parameter in one call: the same add_ per tensor
                     torch._foreach_add_(list(live.values()), grads, alpha=neg_lr[0])
                     continue
-                if fused:   # the loop below, one pass per parameter
-                    mu_k = mu_t[:k] if mu_t is not None and any(mu[:k]) else None
-                    terms_k = None if terms_t is None else terms_t[:k]
-                    for (n, p), g in zip(params.items(), grads):
-                        kernels.sgd_update(p[:k], g.contiguous(), anchors[n] if start is None else anchors[n][:k],
-                                           mu_k, corr[n][:k] if corr is not None else None, neg_lr[0], self.native,
-                                           terms_k)
+                if fused:   # the loop below, one pass per parameter (`kernels.sgd_update` on the first k clients)
+                    prox = mu_t is not None and any(mu[:k])
+                    for update, g in zip(updaters, grads):
+                        update(g.contiguous(), k, neg_lr[0], prox)
                     continue
                 for (n, p), g in zip(params.items(), grads):
                     s = p.shape[1:]

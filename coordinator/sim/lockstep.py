@@ -34,6 +34,13 @@ Exactness (tests/test_sweep.py: model.pt and metrics bitwise equal to the serial
    and SCAFFOLD slices of one lr and batch size merge. In the uniform Table 3 that is 2 computations a round
    instead of 6, of ~15 clients instead of 3-9: a step's fixed cost (~40 small ops, 4 kernel calls) is paid a
    third as often.
+3. Identical tasks train once (`_unique`): two merged tasks with the same start weights bit for bit, the same
+   client data, every task field equal and the same terms get the same result by 1., so the second gets a copy
+   of the first's. Runs that differ only in the server's aggregation (FedAvg, MIFA, MimiC) or only in the
+   availability (τmax) hand in identical tasks whenever they start a round from one model: round 0 of MimiC's
+   Table 3, where every client trains from the trial's initial model (450 tasks of a trial's 15 runs, 90
+   distinct), and the clients two of them share in round 1. `dropfl reproduce` orders its jobs trial by trial so
+   that the groups are trials.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -146,6 +153,41 @@ class _Request:
     fused: bool        # the engine updates FedProx/SCAFFOLD clients with the fused kernel (terms per client)
 
 
+def _digest(w: torch.Tensor) -> bytes:
+    """The bits of a run's global weights, as a key."""
+    return hashlib.blake2b(w.contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+def _task_identity(t: TrainTask) -> tuple:
+    """Every field of a task, tensors (SCAFFOLD's correction) by their bits."""
+    return tuple(_digest(v) + str(v.dtype).encode() if isinstance(v, torch.Tensor) else v
+                 for v in (getattr(t, f.name) for f in fields(t)))
+
+
+def _unique(members: list[tuple[int, int, int]], requests: dict[int, _Request], digests: dict[int, bytes],
+            copies: list[tuple[tuple[int, int], tuple[int, int]]]) -> list[tuple[int, int, int]]:
+    """The merged tasks (rid, task index, terms) less those identical to an earlier one, which are added to
+    `copies` as ((rid, i), (rid0, i0)): the same start weights bit for bit, the same client data, every field of
+    the task and the same terms. On the merged paths a task's result is a function of exactly these (whatever
+    else shares its computation: see the module's docstring), so the copy is the very result training it again
+    would give. Where that happens: the runs of a sweep that differ only in what the server does with the
+    updates (FedAvg, MIFA, MimiC) or only in the availability (τmax) start from one initial model and, in a
+    round where everyone trains (round 0 of MimiC's Table 3), hand in the same tasks: 90 distinct of the 450 in a
+    group of one trial's 15 runs."""
+    first: dict[tuple, tuple[int, int]] = {}
+    kept = []
+    for r, i, terms in members:
+        req = requests[r]
+        t = req.tasks[i]
+        key = (digests[r], req.base + t.client, terms, _task_identity(t))
+        if key in first:
+            copies.append(((r, i), first[key]))
+        else:
+            first[key] = (r, i)
+            kept.append((r, i, terms))
+    return kept
+
+
 class Lockstep:
     """One lockstep group: its runs' turns, their submitted rounds, and the shared engine."""
 
@@ -154,6 +196,7 @@ class Lockstep:
         self.cv = threading.Condition(threading.Lock())
         self.live, self.workers, self.progress, self.slices = runs, workers, progress, slices
         self.pending: dict[int, _Request] = {}
+        self.copied = 0   # tasks not trained because an identical task of another run was (`_unique`)
         self.done: dict[int, list[LocalResult]] = {}
         self.blocks: dict[str, int] = {}          # digest of a run's shards → its first client in `data`
         self.data: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -254,7 +297,10 @@ class Lockstep:
                     owners.append([(r, at[id(t)]) for t in s])
                 else:
                     merged.setdefault(key[0], []).extend((r, at[id(t)], key[1]) for t in s)
+        digests = {r: _digest(requests[r].w) for r in rids} if merged else {}
+        copies: list[tuple[tuple[int, int], tuple[int, int]]] = []   # (task, the identical task that trains)
         for members in merged.values():               # cut by count, independent of the worker count
+            members = _unique(members, requests, digests, copies)
             g = min(self.engine.groups, len(members))
             bounds = [len(members) * i // g for i in range(g + 1)]
             for a, b in zip(bounds, bounds[1:]):
@@ -269,10 +315,15 @@ class Lockstep:
         for chunk, results in zip(owners, self.owner.submit(self.engine.run_parts, parts).result()):
             for (r, i), res in zip(chunk, results):
                 out[r][i] = res
+        for (r, i), (r0, i0) in copies:   # a run's own copy: strategies keep and modify deltas
+            res = out[r0][i0]
+            out[r][i] = replace(res, delta=res.delta.clone())
         self.rounds += 1
+        self.copied += len(copies)
         if self.progress is not None:
             n = sum(len(requests[r].tasks) for r in rids)
-            self.progress(f"lockstep step {self.rounds}: {len(rids)} runs, {n} clients in {len(parts)} "
+            once = f" ({len(copies)} identical to another run's, trained once)" if copies else ""
+            self.progress(f"lockstep step {self.rounds}: {len(rids)} runs, {n} clients{once} in {len(parts)} "
                           f"computations, {time.perf_counter() - tick:.1f} s")
         return out  # type: ignore[return-value]
 
@@ -351,6 +402,9 @@ def run_group(jobs: list, progress: bool, say: Callable[[str], None], workers: i
     # after all runs (on Ctrl-C the runs' threads and the engine's workers end with this process;
     # every run directory holds its last checkpoint, so --resume continues it)
     group.close()
+    if group.copied:
+        say(f"lockstep: {group.copied} tasks were identical to another run's task of the same round (same start "
+            "weights, data and task) and trained once, their results copied")
     if errors:   # the first run's error; a divergence only if nothing else failed (it can be a result: sweep.py)
         others = {r: e for r, e in errors.items() if not isinstance(e, FloatingPointError)} or errors
         raise others[min(others)]

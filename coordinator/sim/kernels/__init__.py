@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -142,6 +143,9 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
     """The compiled library of `variant` (default: `requested()`), building it if needed; None (with one
     warning) if it cannot be built, None without a warning for "off"."""
     global _chosen
+    lib = _libs.get(variant if variant is not None else _chosen)   # loaded (and so checked) before: every call
+    if lib is not None:                                              # of a kernel comes here, ~10 per step
+        return lib
     with _lock:
         if variant is None:
             if _chosen is None:
@@ -457,6 +461,37 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, anchor: torch.Tensor | None, mu
                                        _ptr(mu) if mu is not None else None,
                                        _ptr(corr) if corr is not None else None,
                                        _ptr(terms) if terms is not None else None, neg_lr, k, n)
+
+
+def sgd_updater(p: torch.Tensor, anchor: torch.Tensor | None, mu: torch.Tensor | None, corr: torch.Tensor | None,
+                variant: str | None = None, terms: torch.Tensor | None = None) -> Callable[..., None]:
+    """`sgd_update` for one parameter stack over many steps: everything but the gradient is checked here once, and
+    `update(g, k, neg_lr, prox=True)` then updates the first k clients (p[:k], with mu[:k], the anchor's, corr's and
+    terms' first k rows; `prox=False`: as `sgd_update` with mu None), checking only g. The same kernel on the same
+    operands: the same bits. (The engine updates every parameter of every step: ~10 calls a step, whose argument
+    checks cost ~1.5-3 % of a step: benchmarks/step_ab.py --mix.)"""
+    ts = [t for t in (p, anchor, mu, corr) if t is not None]
+    _check_dtypes("sgd_update", *ts)
+    n = math.prod(p.shape[1:])
+    if not all(t.is_contiguous() for t in ts) or (corr is not None and corr.shape != p.shape):
+        raise ValueError("sgd_update: p, g and corr must be contiguous stacks of one shape")
+    if mu is not None and (anchor is None or mu.shape != p.shape[:1] or anchor.numel() not in (n, p.numel())):
+        raise ValueError("sgd_update: mu must be [K] with an anchor of one row or one per client")
+    if terms is not None and (terms.dtype != torch.uint8 or terms.shape != p.shape[:1] or not terms.is_contiguous()):
+        raise ValueError("sgd_update: terms must be contiguous uint8 [K]")
+    fn = _entry(_lib(variant), "sgd_update", p.dtype)
+    stride = 0 if anchor is None or anchor.numel() == n else n
+    ptrs = [_ptr(t) if t is not None else None for t in (p, anchor if mu is not None else None, mu, corr, terms)]
+    shape, dtype = p.shape[1:], p.dtype
+
+    def update(g: torch.Tensor, k: int, neg_lr: float, prox: bool = True) -> None:
+        if g.shape[1:] != shape or g.shape[0] != k or k > len(p) or g.dtype != dtype or not g.is_contiguous():
+            raise ValueError(f"sgd_update: g must be a contiguous [{k}, {', '.join(map(str, shape))}] {dtype}")
+        fn(ptrs[0], g.data_ptr(), ptrs[1] if prox else None, stride, ptrs[2] if prox else None, ptrs[3], ptrs[4],
+           neg_lr, k, n)
+
+    update.keep = (p, anchor, mu, corr, terms)   # the pointers' tensors stay alive with the function
+    return update
 
 
 _exact: dict[tuple[str, torch.dtype], bool] = {}
