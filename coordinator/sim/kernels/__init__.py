@@ -444,23 +444,9 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, anchor: torch.Tensor | None, mu
     None (no FedProx term); `corr` [K, ...] or None (no SCAFFOLD correction). All contiguous, one dtype.
     `terms` (uint8 [K], or None: every client gets the terms given): bit 1 gives client k the FedProx term, bit 2
     the correction; a client with neither is updated as `p.add_(g, alpha=-lr)` (a lockstep sweep's merged
-    computation of plain, FedProx and SCAFFOLD clients)."""
-    lib = _lib(variant)
-    k = p.shape[0]
-    n = p[0].numel() if k else 0
-    ts = [t for t in (p, g, anchor, mu, corr) if t is not None]
-    _check_dtypes("sgd_update", *ts)
-    if not all(t.is_contiguous() for t in ts) or g.shape != p.shape or (corr is not None and corr.shape != p.shape):
-        raise ValueError("sgd_update: p, g and corr must be contiguous stacks of one shape")
-    if mu is not None and (anchor is None or mu.shape != (k,) or anchor.numel() not in (n, k * n)):
-        raise ValueError("sgd_update: mu must be [K] with an anchor of one row or one per client")
-    if terms is not None and (terms.dtype != torch.uint8 or terms.shape != (k,) or not terms.is_contiguous()):
-        raise ValueError("sgd_update: terms must be contiguous uint8 [K]")
-    stride = 0 if anchor is None or anchor.numel() == n else n
-    _entry(lib, "sgd_update", p.dtype)(_ptr(p), _ptr(g), _ptr(anchor) if mu is not None else None, stride,
-                                       _ptr(mu) if mu is not None else None,
-                                       _ptr(corr) if corr is not None else None,
-                                       _ptr(terms) if terms is not None else None, neg_lr, k, n)
+    computation of plain, FedProx and SCAFFOLD clients). One step of `sgd_updater`: its checks, its kernel call."""
+    _check_dtypes("sgd_update", p, g)
+    sgd_updater(p, anchor, mu, corr, variant, terms)(g, len(p), neg_lr)
 
 
 def sgd_updater(p: torch.Tensor, anchor: torch.Tensor | None, mu: torch.Tensor | None, corr: torch.Tensor | None,
@@ -474,7 +460,7 @@ def sgd_updater(p: torch.Tensor, anchor: torch.Tensor | None, mu: torch.Tensor |
     _check_dtypes("sgd_update", *ts)
     n = math.prod(p.shape[1:])
     if not all(t.is_contiguous() for t in ts) or (corr is not None and corr.shape != p.shape):
-        raise ValueError("sgd_update: p, g and corr must be contiguous stacks of one shape")
+        raise ValueError("sgd_update: p, anchor, mu and corr must be contiguous, corr a stack of p's shape")
     if mu is not None and (anchor is None or mu.shape != p.shape[:1] or anchor.numel() not in (n, p.numel())):
         raise ValueError("sgd_update: mu must be [K] with an anchor of one row or one per client")
     if terms is not None and (terms.dtype != torch.uint8 or terms.shape != p.shape[:1] or not terms.is_contiguous()):

@@ -503,8 +503,8 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
 // gives each client the terms its own run's computation adds (coordinator/sim/lockstep.py).
 // Torch's ops stream the whole stack through memory four times, with a temporary each (the stacks of a
 // 20-client step are ~3.5 MB, past L2): ~1.5 ms of a 20-client FedProx step of ~8.6 ms, and 11 % of all samples
-// of a uniform Table 3 worker (py-spy); fused, 0.37 ms (the plain step's update: 0.27 ms). Each product and sum is rounded on its own as in torch: no contraction here
-// (fp-contract=off below), the one fma is explicit. The engine checks these bits against torch's ops at run
+// of a uniform Table 3 worker (py-spy); fused, 0.37 ms (the plain step's update: 0.27 ms). Each product and sum
+// is rounded on its own as in torch: no contraction here (fp-contract=off below), the one fma is explicit. The engine checks these bits against torch's ops at run
 // time before using it (`kernels.sgd_update_exact`), so a torch whose add differs is never silently replaced.
 
 #pragma GCC push_options
