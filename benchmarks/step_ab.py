@@ -34,7 +34,10 @@ import hashlib, json, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(1)
+from coordinator.sim import batched
 from coordinator.sim.batched import Group
+if hasattr(batched, "_keep_freed_memory"):
+    batched._keep_freed_memory()   # as the engine's worker processes do
 from edge_client.datasets import load_fmnist
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask

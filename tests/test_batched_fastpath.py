@@ -3,13 +3,15 @@
 - The SGD update: where every client has one lr and there is no FedProx term and no SCAFFOLD
   correction, all parameters are updated with one `torch._foreach_add_` call instead of one `add_` per
   parameter. Same arithmetic per tensor, so the weights must be bitwise equal: a zero SCAFFOLD
-  correction (g + 0 = g) sends the same round through the per-parameter loop.
+  correction (g + 0 = g) sends the same round through the per-parameter loop. (The LeNet step by hand
+  updates each parameter inside the step instead, with `add_`: no one-call update there.)
 - The step tables: each step's index rows, labels, padding weights and batch sizes are sliced from
   tables built once per `train` call; they must equal, element for element, what the per-step
   construction gives (written out here as it was).
 - The LeNets' step by hand (`batched._lenet_step`): with both layers fused, each step's forward, loss and
-  gradients are computed without autograd, by the ops autograd runs; the weights and losses must be bitwise
-  those of the autograd path (`Group.by_hand = False`).
+  gradients are computed without autograd, by the ops autograd runs, and each parameter is updated inside the
+  step as soon as its gradient is final; the weights and losses must be bitwise those of the autograd path
+  (`Group.by_hand = False`), which updates after the step.
 - The FedProx / SCAFFOLD update with one lr (`kernels.sgd_update`, through `kernels.sgd_updater`): one fused pass per
   parameter instead of the torch ops g + μ(w − w_global), + c, w.add_(g, alpha=−lr); the weights must be bitwise those
   of the torch ops (`kernels.fused_update` turned off), from one start (a serial slice) and from one start per task
@@ -54,11 +56,13 @@ def test_one_sgd_call_gives_the_per_parameter_updates_bits(name: str, monkeypatc
     zero = torch.zeros_like(w)
     plain = [TrainTask(client=c, round=1, lr=0.05, batch_size=8, epochs=2, seed=3, grad_correction=zero)
              for c in range(len(sizes))]
+    x, y = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    by_hand = Group(model, x, y, [0], [8]).by_hand   # the LeNet step by hand: each add_ inside the step
     calls = []
     foreach = torch._foreach_add_
     monkeypatch.setattr(torch, "_foreach_add_", lambda *a, **k: calls.append(1) or foreach(*a, **k))
     a = engine.run(w, fast)
-    assert calls, "the one-call update did not run"
+    assert bool(calls) != by_hand, "the one-call update did not run" if not by_hand else "the step by hand did not"
     calls.clear()
     b = engine.run(w, plain)
     assert not calls, "the per-parameter update did not run"

@@ -152,12 +152,21 @@ def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
     return z.linear(torch.relu(z.linear(h, "fc2")), "fc3")
 
 
-def _lenet_step(z: _Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`_lenet`'s forward, the per-client loss and the gradients of every parameter, by hand, for the LeNets with
     both fused layers: the very aten ops, on the very operands, that `torch.autograd.grad(loss.sum(), params)`
     runs on `_lenet` (torch's derivative formulas for baddbmm, relu, log_softmax, nll_loss, mul, sum and div),
     so the gradients are bitwise autograd's (tests/test_batched_fastpath.py) without building a graph each
-    step. Returns (loss [K], {name: gradient}) with the parameters' shapes."""
+    step. Returns (loss [K], {name: gradient}) with the parameters' shapes.
+    `apply(name, gradient)`, if given, is called once per parameter as soon as its gradient is final and the step
+    no longer reads the parameter (its SGD update, while the gradient is still in cache: the same update on the
+    same values as after the step)."""
+    def done(*names: str) -> None:
+        if apply is not None:
+            for n in names:
+                apply(n, grads[n])
+
     p, k, b, st = z.p, z.k, z.b, z.s
     # client-major layouts between the two fused layers (no autograd sits between them here): the second layer
     # copies its input row by row, the first layer's backward reads its gradient as whole vectors
@@ -181,13 +190,19 @@ def _lenet_step(z: _Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
     grads = {"fc3.bias": g.sum(1), "fc3.weight": r2.transpose(1, 2).bmm(g)}   # baddbmm: sum_to(grad), b1ᵀ·grad
     g = torch.ops.aten.threshold_backward(g.bmm(w3.transpose(1, 2)), r2, 0)   # grad·b2ᵀ, then relu's
+    done("fc3.bias", "fc3.weight")
     grads |= {"fc2.bias": g.sum(1), "fc2.weight": r1.transpose(1, 2).bmm(g)}
     g = torch.ops.aten.threshold_backward(g.bmm(w2.transpose(1, 2)), r1, 0)
+    done("fc2.bias", "fc2.weight")
+    gin = g.bmm(w1.transpose(1, 2))
     grads |= {"fc1.bias": g.sum(1), "fc1.weight": h2.transpose(1, 2).bmm(g)}
-    gh, gw2, gb2 = kernels.conv2_pool_bwd(saved2, g.bmm(w1.transpose(1, 2)))
+    done("fc1.bias", "fc1.weight")
+    gh, gw2, gb2 = kernels.conv2_pool_bwd(saved2, gin)   # reads conv2's weight: its update after this
+    grads |= {"conv2.weight": gw2.view(p["conv2.weight"].shape), "conv2.bias": gb2.view(k, -1)}
+    done("conv2.weight", "conv2.bias")
     gw1, gb1 = kernels.conv_pool_bwd(saved1, gh)
-    grads |= {"conv2.weight": gw2.view(p["conv2.weight"].shape), "conv2.bias": gb2.view(k, -1),
-              "conv1.weight": gw1.view(p["conv1.weight"].shape), "conv1.bias": gb1.view(k, -1)}
+    grads |= {"conv1.weight": gw1.view(p["conv1.weight"].shape), "conv1.bias": gb1.view(k, -1)}
+    done("conv1.weight", "conv1.bias")
     return loss, grads
 
 
@@ -363,11 +378,28 @@ class Group:
         if fused:   # one updater per parameter stack: its operands checked once, not every step
             updaters = [kernels.sgd_updater(p, anchors[n], mu_t, corr[n] if corr is not None else None, self.native,
                                             terms_t) for n, p in params.items()]
+        # the LeNet step by hand updates each parameter inside the step, as soon as its gradient is final (while it
+        # is still in cache): the plain step as `p.add_(g, alpha=-lr)`, what _foreach_add_ runs per tensor, the fused
+        # one with its updater; `live`, `k` and `prox` are this step's (looked up when called)
+        updater_of = dict(zip(params, updaters)) if fused else {}
+
+        def apply(n: str, g: torch.Tensor) -> None:
+            if plain_sgd:
+                live[n].add_(g, alpha=neg_lr[0])
+            else:
+                updater_of[n](g.contiguous(), k, neg_lr[0], prox)
+
         for step in self._steps(tasks, plans, data):
             k = step.k
             if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
                 live = {n: p[:k] for n, p in params.items()}
-                loss, by_name = _lenet_step(_Batch(live, step, gens[:k], self.x_all, self.native, self.x_split))
+                z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
+                if plain_sgd or fused:
+                    prox = mu_t is not None and any(mu[:k])
+                    loss, _ = _lenet_step(z, apply)
+                    loss_sum[:k] += loss.double()
+                    continue
+                loss, by_name = _lenet_step(z)
                 grads = tuple(by_name[n] for n in live)
             else:
                 live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}

@@ -143,19 +143,104 @@ inline auto pool_relu(typename V<T>::type v0, typename V<T>::type v1, typename V
   return pass ? a : 4;
 }
 
+// L window indices a[0..L) as the lanes of the integer vector IV. In two steps, through 16 bits: GCC 12 compiles
+// a direct uint8 → int32 __builtin_convertvector of 16 lanes into ~60 scalar instructions, the two steps into
+// four zero-extensions. (Outside the kernels' templates: there GCC refuses a conversion between two
+// dependent vector types.)
+template <int L>
+struct Indices {
+  typedef uint8_t bytes __attribute__((vector_size(L)));
+  typedef uint16_t halves __attribute__((vector_size(2 * L)));
+};
+template <typename IV, int L>
+inline IV widen(const uint8_t* a) {
+  typename Indices<L>::bytes a8;
+  std::memcpy(&a8, a, sizeof(a8));
+  const typename Indices<L>::halves a16 = __builtin_convertvector(a8, typename Indices<L>::halves);
+  return __builtin_convertvector(a16, IV);
+}
+
+// The lanes of an integer vector (values 0..255) as L bytes: `widen`'s inverse, in the same two steps.
+template <int L, typename IV>
+inline typename Indices<L>::bytes narrow(IV a) {
+  const typename Indices<L>::halves a16 = __builtin_convertvector(a, typename Indices<L>::halves);
+  return __builtin_convertvector(a16, typename Indices<L>::bytes);
+}
+
+// Stores the first n (1..L) lanes of the vector v at p: whole when n = L, else in pieces of L/2, L/4, ... 1
+// lanes by n's bits (each piece shuffled to the front first), so that nothing past p[n) is written and no lane
+// goes through memory: lane by lane, the values were spilled as a vector and read back as scalars, which the
+// CPU does not forward from the vector store (~10 % of the first layer's forward stalled on those reads).
+template <int P, typename E, typename VEC, typename IV>
+inline void store_pieces(E* p, const VEC& v, int64_t n, const IV& lane, int64_t off) {
+  if constexpr (P >= 1) {   // one piece of P lanes, a fixed size: one store
+    if (n & P) {
+      const VEC u = off ? __builtin_shuffle(v, lane + static_cast<std::remove_reference_t<decltype(lane[0])>>(off)) : v;
+      std::memcpy(p + off, &u, P * sizeof(E));
+      off += P;
+    }
+    store_pieces<P / 2>(p, v, n, lane, off);
+  }
+}
+
+template <typename E, typename VEC, typename IV>
+inline void store_first(E* p, const VEC& v, int64_t n, const IV& lane) {
+  constexpr int L = sizeof(VEC) / sizeof(E);
+  if (n >= L)
+    std::memcpy(p, &v, sizeof(v));
+  else
+    store_pieces<L / 2>(p, v, n, lane, 0);
+}
+
+// Whether any of the n (<= 16) window indices at a[0..n) routes a gradient (is not 4). The indices are 0..4, so
+// index ^ 4 is 0 exactly where none is routed: 8-byte words, the bytes past n masked off. Reads whole words
+// (up to 15 bytes past a[n)): the client-major window indices carry 64 bytes of slack (`_padded`). A lane-by-lane
+// test of the routed mask compiled to ~40 extractions and ORs.
+inline bool any_routed(const uint8_t* a, int64_t n) {
+  uint64_t bits = 0;
+  for (int64_t w = 0; w * 8 < n; ++w) {
+    uint64_t v;
+    std::memcpy(&v, a + 8 * w, 8);
+    const int64_t m = n - 8 * w;
+    const uint64_t first_m = m >= 8 ? ~0ull
+                             : __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? (1ull << (8 * m)) - 1
+                                                                         : ~0ull << (8 * (8 - m));
+    bits |= (v ^ 0x0404040404040404ull) & first_m;
+  }
+  return bits != 0;
+}
+
 // OB output channels per register block (4*OB accumulators + 4 inputs must fit the vector registers:
 // `with_block`).
 template <typename T, int OB>
 void forward(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg, const Shape& s) {
   typedef typename V<T>::type vec;
   constexpr int L = V<T>::L;
+  typedef decltype(vec{} < vec{}) ivec;
+  typedef typename Indices<L>::bytes bytes;
   const int64_t img = split_size(s);
+  ivec lane;
+  bytes lane8;
+  for (int l = 0; l < L; ++l) lane[l] = l, lane8[l] = l;
+  // Client-major with all channels in one block (the LeNets with 32 vector registers): a pooled row's chunk of
+  // y is nj·O contiguous values, [column][channel], written as whole vectors, interleaved from the O channel
+  // vectors by shuffles: vector t of the chunk is out[0] shuffled by pick[t][0], then out[o] shuffled into it by
+  // pick[t][o] (lane l of vector t holds element m = t·L + l: channel m % O, column m / O).
+  const bool whole = s.cm && OB == s.O;
+  ivec pick[OB][OB];
+  for (int t = 0; t < OB; ++t)
+    for (int o = 0; o < OB; ++o)
+      for (int l = 0; l < L; ++l) {
+        const int m = t * L + l, j = m / OB;
+        pick[t][o][l] = m % OB == o ? (o ? L : 0) + j : (o ? l : 0);
+      }
   for (int64_t b = 0; b < s.B; ++b) {    // sample-major: y[b] (all clients' channels) stays in cache
     for (int64_t k = 0; k < s.K; ++k) {
       const T* split = xs + rows[k * s.B + b] * img;
       for (int64_t i = 0; i < s.Hp; ++i) {
         for (int64_t ch = 0; ch < s.chunks; ++ch) {
          const int64_t j0 = ch * L, nj = s.Wp - j0 < L ? s.Wp - j0 : L;
+         vec outs[OB];
          for (int64_t o0 = 0; o0 < s.O; o0 += OB) {
           const T* wk = w + (k * s.O + o0) * s.taps;
           vec acc[4][OB];  // [window position][output channel of the block]
@@ -172,17 +257,23 @@ void forward(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y, 
               }
           for (int ob = 0; ob < OB; ++ob) {
             const int64_t o = o0 + ob;
-            vec out;
+            vec& out = outs[ob];
             const auto a = pool_relu<T>(acc[0][ob], acc[1][ob], acc[2][ob], acc[3][ob], out);
-            uint8_t* ao = arg + (((k * s.B + b) * s.O + o) * s.Hp + i) * s.Wp + j0;
+            store_first(arg + (((k * s.B + b) * s.O + o) * s.Hp + i) * s.Wp + j0, narrow<L>(a), nj, lane8);
+            if (whole) continue;
             T* yo = s.cm ? y + (((k * s.B + b) * s.Hp + i) * s.Wp + j0) * s.O + o
                          : y + ((b * s.Hp + i) * s.Wp + j0) * s.C + k * s.O + o;
             const int64_t ys = s.cm ? s.O : s.C;
-            for (int64_t l = 0; l < nj; ++l) {
-              yo[l * ys] = out[l];
-              ao[l] = static_cast<uint8_t>(a[l]);
-            }
+            for (int64_t l = 0; l < nj; ++l) yo[l * ys] = out[l];
           }
+         }
+         if (whole) {
+           T* yr = y + (((k * s.B + b) * s.Hp + i) * s.Wp + j0) * OB;
+           for (int64_t t = 0; t * L < nj * OB; ++t) {
+             vec u = __builtin_shuffle(outs[0], pick[t][0]);
+             for (int o = 1; o < OB; ++o) u = __builtin_shuffle(u, outs[o], pick[t][o]);
+             store_first(yr + t * L, u, nj * OB - t * L, lane);
+           }
          }
         }
       }
@@ -200,7 +291,6 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
   const int64_t img = split_size(s);
   typedef decltype(vec{} < vec{}) ivec;                          // the comparisons' integer lanes
   typedef std::remove_reference_t<decltype(ivec{}[0])> ilane;     // int32 for floats, int64 for doubles
-  typedef uint8_t bytes __attribute__((vector_size(L)));          // L window indices
   ivec lane;
   for (int l = 0; l < L; ++l) lane[l] = l;
   for (int64_t b = 0; b < s.B; ++b) {    // sample-major: gy[b] (all clients' channels) stays in cache
@@ -222,13 +312,11 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
               if (s.cm) {  // the row's gradients and window indices as whole vectors (the caller pads both
                            // buffers by a vector: lanes past the row are read, then masked)
                 const T* go = gy + (((k * s.B + b) * s.O + o) * s.Hp + i) * s.Wp + j0;
-                bytes a8;
-                std::memcpy(&a8, ao, sizeof(a8));
-                av = __builtin_convertvector(a8, ivec);
+                av = widen<ivec, L>(ao);
                 av = lane < ilane(nj) ? av : 4;
                 const auto routed = av < 4;
                 gv = routed ? loadu(go) : vec{};
-                for (int l = 0; l < L; ++l) any |= routed[l] != 0;
+                any |= any_routed(ao, nj);
               } else {
                 const T* go = gy + ((b * s.Hp + i) * s.Wp + j0) * s.C + k * s.O + o;
                 for (int64_t l = 0; l < nj; ++l) {
