@@ -58,6 +58,7 @@ class _Step:
     weight: torch.Tensor   # [k, B] 1 for real rows, 0 for padding
     size: torch.Tensor     # [k] real batch size of each active client, in the weight's dtype
     sizes: list[int]       # the same, as ints
+    dloss: torch.Tensor | None = None   # [k, B] d loss_k / d row loss: weight / size (the step by hand's start)
 
 
 class _Batch:
@@ -185,7 +186,8 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     size = st.size.to(ce.dtype)
     loss = (ce.view(k, b) * st.weight).sum(1) / size
     # backward, node by node as autograd runs it: sum → div → sum(1) → mul → nll_loss → log_softmax → fc3 ...
-    g = (torch.ones(k, dtype=loss.dtype) / size).unsqueeze(1).expand(k, b) * st.weight
+    # (torch.ones(k) / size).unsqueeze(1).expand(k, b) * weight, made for every step at once by `Group._steps`
+    g = st.dloss if st.dloss is not None else (torch.ones(k, dtype=loss.dtype) / size).unsqueeze(1) * st.weight
     g = torch.ops.aten.nll_loss_backward(g.reshape(-1), lsm, target, None, 0, -100, total_weight)
     g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
     grads = {"fc3.bias": g.sum(1), "fc3.weight": r2.transpose(1, 2).bmm(g)}   # baddbmm: sum_to(grad), b1ᵀ·grad
@@ -389,10 +391,12 @@ class Group:
             else:
                 updater_of[n](g.contiguous(), k, neg_lr[0], prox)
 
+        live_k = None
         for step in self._steps(tasks, plans, data):
             k = step.k
             if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
-                live = {n: p[:k] for n, p in params.items()}
+                if k != live_k:   # the active clients' views, made again only when a client has finished
+                    live, live_k = {n: p[:k] for n, p in params.items()}, k
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
                 if plain_sgd or fused:
                     prox = mu_t is not None and any(mu[:k])
@@ -465,10 +469,15 @@ class Group:
         del padded
         weight = (torch.arange(width).view(1, 1, -1) < sizes.unsqueeze(2)).to(self.x_all.dtype).to(self.device)
         rows, size, sizes_list = rows.to(self.device), sizes.to(self.x_all.dtype).to(self.device), sizes.tolist()
+        ys = self.y_all[rows]   # every step's labels at once
+        # the loss's gradient per row, 1/size on real rows (the step by hand's backward starts there): the same
+        # elementwise division and product per element as one step's, for all steps (inf/NaN past a client's
+        # last step, where no step reads it)
+        dloss = (torch.ones_like(size) / size).unsqueeze(2) * weight if self.by_hand else None
         for j in range(total):
             k = sum(1 for n in n_steps if n > j)
-            r = rows[j, :k]
-            yield _Step(k, r, self.y_all[r], weight[j, :k], size[j, :k], sizes_list[j][:k])
+            yield _Step(k, rows[j, :k], ys[j, :k], weight[j, :k], size[j, :k], sizes_list[j][:k],
+                        None if dloss is None else dloss[j, :k])
 
 
 _SPLITS: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}   # `_shared_split`: key → (images, split)
