@@ -126,12 +126,20 @@ def test_same_weights_whatever_the_number_of_workers() -> None:
     tasks = [TrainTask(client=i, round=1, lr=0.05, batch_size=16, epochs=2, seed=3) for i in range(6)]
     runs = {}
     for workers in (0, 2):
-        engine = BatchedEngine(model, data, workers=workers)
+        engine = BatchedEngine(model, data, workers=workers, device="cpu")   # worker processes: the CPU
         runs[workers] = torch.stack([r.delta for r in engine.run(w, tasks)])
         engine.close()
     assert torch.equal(runs[0], runs[2])  # bit for bit
     ref = torch.stack([r.delta for r in reference(model, w, data, tasks)])
     assert torch.allclose(runs[2], ref, atol=TOL, rtol=0)
+
+
+def test_worker_processes_are_refused_on_a_gpu_device() -> None:
+    """Worker processes train on the CPU: an engine on another device with workers > 0 would compute on the CPU
+    while saying it ran on the device. Refused before anything reaches the device (no CUDA needed here)."""
+    model = build_model("mimic-cnn", (1, 28, 28), 10, seed=2)
+    with pytest.raises(ValueError, match="worker processes train on the CPU"):
+        BatchedEngine(model, make_data([8], (1, 28, 28), seed=1), workers=2, device="cuda")
 
 
 def test_sim_transport_batched_round_equals_loop_round() -> None:

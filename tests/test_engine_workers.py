@@ -16,7 +16,7 @@ from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask
 m = build_model("mimic-cnn", (1, 28, 28))
 data = [(torch.rand(32, 1, 28, 28), torch.randint(0, 10, (32,))) for _ in range(4)]
-e = BatchedEngine(m, data, workers=2)
+e = BatchedEngine(m, data, workers=2, device="cpu")
 e.run(get_flat(m), [TrainTask(i, 0, 0.01, 16, steps=1) for i in range(4)])  # workers are up
 print("ready", flush=True)
 e.run(get_flat(m), [TrainTask(i, 0, 0.01, 16, steps=10**7) for i in range(4)])  # a very long round

@@ -304,8 +304,8 @@ def test_engine_with_and_without_kernel(name: str, variant: str) -> None:
     tasks = [TrainTask(client=0, round=1, lr=0.05, batch_size=4, epochs=1, seed=2),
              TrainTask(client=1, round=1, lr=0.1, batch_size=4, steps=2, seed=2),
              TrainTask(client=2, round=1, lr=0.05, batch_size=4, steps=6, seed=2)]
-    fast = BatchedEngine(model, data, workers=0, native=variant)
-    plain = BatchedEngine(model, data, workers=0, native=False)
+    fast = BatchedEngine(model, data, workers=0, device="cpu", native=variant)   # the kernels are CPU code
+    plain = BatchedEngine(model, data, workers=0, device="cpu", native=False)
     assert fast.local.native == variant and not plain.local.native
     assert fast.describe() == f"batched+native({variant})" and plain.describe() == "batched"
     for a, b in zip(fast.run(w, tasks), plain.run(w, tasks)):
@@ -326,7 +326,7 @@ def test_the_fma_variants_compute_the_same_bits() -> None:
     model = build_model("mimic-cnn", (1, 28, 28), 10, seed=0)
     w = get_flat(model)
     tasks = [TrainTask(client=i, round=1, lr=0.05, batch_size=16, steps=6, seed=1) for i in range(3)]
-    runs = [torch.stack([r.delta for r in BatchedEngine(model, data, workers=0, native=v).run(w, tasks)])
+    runs = [torch.stack([r.delta for r in BatchedEngine(model, data, workers=0, device="cpu", native=v).run(w, tasks)])
             for v in fma]
     assert runs[0].abs().max() > 1e-4
     for other in runs[1:]:

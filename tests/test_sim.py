@@ -135,7 +135,8 @@ def test_the_engine_that_ran_is_said_and_recorded(tmp_path, capsys, engine):
     out = tmp_path / "run"
     flags = [] if engine is None else ["--engine", engine]
     assert main(["sim", *[a if a != "6" else "2" for a in TINY], *flags, "--out", str(out)]) == 0
-    want = "batched" if engine is None else "loop"     # logreg: no fused layers, so not batched+native
+    # logreg: no fused layers, so not batched+native; on a machine with a GPU the default runs there
+    want = ("batched (cuda)" if torch.cuda.is_available() else "batched") if engine is None else "loop"
     assert f"[sim] engine: {want} — " in capsys.readouterr().err
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["engine"] for r in rows] == [want, want]

@@ -45,6 +45,13 @@ def files(run) -> dict:
             "participation": (run / "participation.csv").read_text()}
 
 
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """The lockstep executor merges runs on the CPU only (on CUDA, `plan` runs each on its own and says why):
+    the tests of merged sweeps run as on a machine without a GPU, also where one is present."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 @pytest.fixture(scope="module")
 def cached():
     with pytest.MonkeyPatch.context() as mp:
@@ -60,7 +67,7 @@ def test_a_clients_result_does_not_depend_on_the_other_clients_of_its_computatio
     names = ["mlp", "logreg"] + (["mimic-cnn"] if kernels.available() else [])
     for name in names:
         model = build_model(name, (1, 28, 28), 10, seed=0)
-        engine = BatchedEngine(model, data, workers=0)
+        engine = BatchedEngine(model, data, workers=0, device="cpu")   # (on CUDA lockstep merges nothing)
         starts = torch.stack([get_flat(build_model(name, (1, 28, 28), 10, seed=s)) for s in (0, 1, 2)])
         tasks = [TrainTask(client=c % 4, round=1, lr=0.05, batch_size=16, epochs=1 if c % 2 else None,
                            steps=None if c % 2 else 2 + c, seed=c // 4) for c in range(8)]
@@ -78,7 +85,7 @@ def test_a_clients_result_does_not_depend_on_the_other_clients_of_its_computatio
 
 @pytest.mark.slow
 @pytest.mark.skipif(not kernels.available(), reason="lockstep merges LeNet runs only with the native kernels")
-def test_lockstep_sweep_equals_serial_bit_for_bit(tmp_path, cached):
+def test_lockstep_sweep_equals_serial_bit_for_bit(tmp_path, cpu_only, cached):
     jobs = {ex: [Job(config(m, s), tmp_path / ex / f"{m}-s{s}", label=f"{m} seed {s}") for m in METHODS
                  for s in (0, 1)] for ex in ("serial", "lockstep")}
     lines: list[str] = []
@@ -102,7 +109,7 @@ def test_lockstep_sweep_equals_serial_bit_for_bit(tmp_path, cached):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not kernels.available(), reason="lockstep merges LeNet runs only with the native kernels")
-def test_a_resumed_job_beside_new_ones(tmp_path, cached):
+def test_a_resumed_job_beside_new_ones(tmp_path, cpu_only, cached):
     """A job resumed from round 2 of 4 runs beside fresh jobs (other rounds, so other lrs: not merged
     with them) and ends as the serial executor's resume does."""
     run_sweep([Job(config("mimic", 0, rounds=2), tmp_path / "first")], executor="serial", progress=False)
@@ -119,7 +126,7 @@ def test_a_resumed_job_beside_new_ones(tmp_path, cached):
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
 
 
-def test_jobs_that_cannot_be_merged_run_on_their_own_and_say_why(tmp_path):
+def test_jobs_that_cannot_be_merged_run_on_their_own_and_say_why(tmp_path, cpu_only):
     jobs = [Job(config("mimic", 0), tmp_path / "a"), Job(config("fedavg", 0, model="fdms-cnn"), tmp_path / "b"),
             Job(config("feddd", 0), tmp_path / "c"), Job(config("mimic", 1), tmp_path / "d"),
             Job(config("mimic", 0, model="mlp"), tmp_path / "e")]
@@ -135,6 +142,10 @@ def test_jobs_that_cannot_be_merged_run_on_their_own_and_say_why(tmp_path):
         assert plan(many) == [([0, 1, 2, 3], None), ([4], None)]
         many[4].cfg.train.slices = many[0].cfg.train.slices
     assert plan(many, max_runs=2) == [([0], None), ([1, 2], None), ([3, 4], None)]   # near-equal groups
+    with pytest.MonkeyPatch.context() as mp:   # with a GPU: every run on its own, saying why
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        assert [u for u, _ in plan(many)] == [[0], [1], [2], [3], [4]]
+        assert all(r.startswith("CUDA") for _, r in plan(many))
     assert EXECUTORS[0] == "lockstep"
     with pytest.raises(ValueError, match="unknown sweep executor"):
         run_sweep(many, executor="nope")

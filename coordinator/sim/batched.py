@@ -664,6 +664,9 @@ class BatchedEngine:
         self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         batched_forward(model)  # a model without one is refused here, before any worker starts
         device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if workers and device != "cpu":   # its worker processes would train on the CPU, not on the device
+            raise ValueError(f"BatchedEngine: worker processes train on the CPU; on {device} the engine runs in "
+                             "this process: pass workers=0 (or None), or device='cpu'")
         if is_cuda(device):
             cuda_deterministic()  # before anything reaches the GPU
         sizes = [len(y) for _, y in client_data]
@@ -675,6 +678,7 @@ class BatchedEngine:
         model = _strip_generators(model)
         if workers is None:
             workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
+
         self.groups, self.workers, self.device = max(1, groups), workers, torch.device(device)
         threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
         # the fused layers' kernel variant (its name, or None), decided and built here, once, for every

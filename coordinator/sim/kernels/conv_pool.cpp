@@ -175,7 +175,8 @@ template <int P, typename E, typename VEC, typename IV>
 inline void store_pieces(E* p, const VEC& v, int64_t n, const IV& lane, int64_t off) {
   if constexpr (P >= 1) {   // one piece of P lanes, a fixed size: one store
     if (n & P) {
-      const VEC u = off ? __builtin_shuffle(v, lane + static_cast<std::remove_reference_t<decltype(lane[0])>>(off)) : v;
+      typedef std::remove_reference_t<decltype(lane[0])> index;
+      const VEC u = off ? __builtin_shuffle(v, lane + static_cast<index>(off)) : v;
       std::memcpy(p + off, &u, P * sizeof(E));
       off += P;
     }
@@ -194,7 +195,7 @@ inline void store_first(E* p, const VEC& v, int64_t n, const IV& lane) {
 
 // Whether any of the n (<= 16) window indices at a[0..n) routes a gradient (is not 4). The indices are 0..4, so
 // index ^ 4 is 0 exactly where none is routed: 8-byte words, the bytes past n masked off. Reads whole words
-// (up to 15 bytes past a[n)): the client-major window indices carry 64 bytes of slack (`_padded`). A lane-by-lane
+// (up to 7 bytes past a[n)): the client-major window indices carry 64 bytes of slack (`_padded`). A lane-by-lane
 // test of the routed mask compiled to ~40 extractions and ORs.
 inline bool any_routed(const uint8_t* a, int64_t n) {
   uint64_t bits = 0;
@@ -592,8 +593,9 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
 // Torch's ops stream the whole stack through memory four times, with a temporary each (the stacks of a
 // 20-client step are ~3.5 MB, past L2): ~1.5 ms of a 20-client FedProx step of ~8.6 ms, and 11 % of all samples
 // of a uniform Table 3 worker (py-spy); fused, 0.37 ms (the plain step's update: 0.27 ms). Each product and sum
-// is rounded on its own as in torch: no contraction here (fp-contract=off below), the one fma is explicit. The engine checks these bits against torch's ops at run
-// time before using it (`kernels.sgd_update_exact`), so a torch whose add differs is never silently replaced.
+// is rounded on its own as in torch: no contraction here (fp-contract=off below), the one fma is explicit. The
+// engine checks these bits against torch's ops at run time before using it (`kernels.sgd_update_exact`), so a
+// torch whose add differs is never silently replaced.
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
