@@ -13,10 +13,10 @@ LeNet step by hand (`batched._lenet_step`) is timed where it runs:
 
 Each part's FLOPs are torch's FlopCounterMode count of the reference model's step (the same count the FLOP
 bound of `sim_throughput.py` divides by), so its GFLOP/s compare with the 1-thread peak: a 2048² fp32 matmul
-measured in the same process (`--peak-reps`). The four kernels and the matmuls are then timed again alone, on
-the last step's very operands (min of 50 calls): the difference to their time in the step is what the step's
-cache traffic costs them. Timing wrappers cost ~0.3 µs a call (~17 calls a step). Like the engine's worker
-processes, the process keeps freed memory (`batched._keep_freed_memory`).
+measured in the same process (`sim_throughput.peak_flops`, best of 10). The four kernels and fc1's forward matmul
+are then timed again alone, on the last step's very operands (min of 50 calls): the difference to their time in
+the step is what the step's cache traffic costs them. Timing wrappers cost ~0.3 µs a call (~17 calls a step).
+Like the engine's worker processes, the process keeps freed memory (`batched._keep_freed_memory`).
 
     .venv/bin/python benchmarks/step_profile.py [--clients 15] [--steps 100] [--calls 5]
 
@@ -43,6 +43,9 @@ from edge_client.datasets import load_fmnist  # noqa: E402
 from edge_client.models import build_model, get_flat  # noqa: E402
 from edge_client.trainer import TrainTask  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_throughput import peak_flops  # noqa: E402  (the bound's matmul rate, here on 1 thread)
+
 HERE = Path(__file__).resolve().parent
 SAMPLES, BATCH = 2000, 16
 KERNELS = {"conv1 fwd": "conv_pool_fwd", "conv2 fwd": "conv2_pool_fwd",
@@ -66,18 +69,6 @@ def part_flops(clients: int) -> dict[str, float]:
            "conv2 bwd": c["MimicCNN.conv2"]["aten.convolution_backward"], "fc matmuls": fc}
     assert sum(out.values()) == counter.get_total_flops(), "a layer's FLOPs are not in a part"
     return {k: clients * v for k, v in out.items()}
-
-
-def peak_1thread(n: int = 2048, reps: int = 10) -> float:
-    """fp32 FLOP/s of an n×n matmul on 1 thread (best of `reps`)."""
-    a, b = torch.rand(n, n), torch.rand(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
 
 
 class Timers:
@@ -178,7 +169,7 @@ def main() -> None:
     step_ms = total / 1e6 / args.steps
     alone_ms = {p: 1e3 * alone(kept[p]) for p in KERNELS}
     alone_ms["fc1 fwd (baddbmm)"] = 1e3 * alone(kept["fc1 fwd (baddbmm)"])
-    peak = peak_1thread()
+    peak = peak_flops()   # torch runs 1 thread here: the 1-thread peak
     step_flops = sum(flops.values())
     rows = []
     for p in PARTS:
