@@ -664,7 +664,7 @@ class BatchedEngine:
         self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         batched_forward(model)  # a model without one is refused here, before any worker starts
         device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if workers and device != "cpu":   # its worker processes would train on the CPU, not on the device
+        if workers and torch.device(device).type != "cpu":   # its worker processes would train on the CPU
             raise ValueError(f"BatchedEngine: worker processes train on the CPU; on {device} the engine runs in "
                              "this process: pass workers=0 (or None), or device='cpu'")
         if is_cuda(device):
