@@ -58,7 +58,8 @@ class _Step:
     weight: torch.Tensor   # [k, B] 1 for real rows, 0 for padding
     size: torch.Tensor     # [k] real batch size of each active client, in the weight's dtype
     sizes: list[int]       # the same, as ints
-    dloss: torch.Tensor | None = None   # [k, B] d loss_k / d row loss: weight / size (the step by hand's start)
+    dloss: torch.Tensor | None = None   # [k, B] d loss_k / d row loss: weight / size (the step by hand's start;
+                                        # made by `Group._steps` where the step by hand runs, else None)
 
 
 class _Batch:
@@ -187,7 +188,7 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     loss = (ce.view(k, b) * st.weight).sum(1) / size
     # backward, node by node as autograd runs it: sum → div → sum(1) → mul → nll_loss → log_softmax → fc3 ...
     # (torch.ones(k) / size).unsqueeze(1).expand(k, b) * weight, made for every step at once by `Group._steps`
-    g = st.dloss if st.dloss is not None else (torch.ones(k, dtype=loss.dtype) / size).unsqueeze(1) * st.weight
+    g = st.dloss
     g = torch.ops.aten.nll_loss_backward(g.reshape(-1), lsm, target, None, 0, -100, total_weight)
     g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
     grads = {"fc3.bias": g.sum(1), "fc3.weight": r2.transpose(1, 2).bmm(g)}   # baddbmm: sum_to(grad), b1ᵀ·grad
@@ -392,18 +393,15 @@ class Group:
                 updater_of[n](g.contiguous(), k, neg_lr[0], prox)
 
         live_k = None
+        in_step = self.by_hand and (plain_sgd or fused)   # the step by hand updates as it goes (`apply`)
         for step in self._steps(tasks, plans, data):
             k = step.k
+            prox = fused and mu_t is not None and any(mu[:k])   # this step's FedProx term in the fused update
             if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
                 if k != live_k:   # the active clients' views, made again only when a client has finished
                     live, live_k = {n: p[:k] for n, p in params.items()}, k
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
-                if plain_sgd or fused:
-                    prox = mu_t is not None and any(mu[:k])
-                    loss, _ = _lenet_step(z, apply)
-                    loss_sum[:k] += loss.double()
-                    continue
-                loss, by_name = _lenet_step(z)
+                loss, by_name = _lenet_step(z, apply if in_step else None)
                 grads = tuple(by_name[n] for n in live)
             else:
                 live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
@@ -414,11 +412,12 @@ class Group:
                 grads = torch.autograd.grad(loss.sum(), list(live.values()))
             with torch.no_grad():
                 loss_sum[:k] += loss.detach().double()
+                if in_step:   # every parameter already updated inside the step
+                    continue
                 if plain_sgd:   # w ← w − lr·g for every parameter in one call: the same add_ per tensor
                     torch._foreach_add_(list(live.values()), grads, alpha=neg_lr[0])
                     continue
                 if fused:   # the loop below, one pass per parameter (`kernels.sgd_update` on the first k clients)
-                    prox = mu_t is not None and any(mu[:k])
                     for update, g in zip(updaters, grads):
                         update(g.contiguous(), k, neg_lr[0], prox)
                     continue
@@ -678,7 +677,6 @@ class BatchedEngine:
         model = _strip_generators(model)
         if workers is None:
             workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
-
         self.groups, self.workers, self.device = max(1, groups), workers, torch.device(device)
         threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
         # the fused layers' kernel variant (its name, or None), decided and built here, once, for every
