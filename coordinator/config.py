@@ -111,6 +111,12 @@ class TrainConfig:
                          "batched computation; which process or node trains a slice does not change the results, "
                          "the number of slices may (float rounding); ray: at most one actor per slice",
                       minimum=1)
+    device: str = opt("auto", "batched engine: where a round's clients train. auto = the CPU for the LeNets "
+                              "(mimic-cnn, cifar-lenet, fdms-cnn: at their batch sizes the fused CPU kernels beat a "
+                              "GPU, measured on an H100 machine), a GPU for the other models where there is one, else "
+                              "the CPU; cpu; cuda = the GPU (an error where there is none; not with --engine loop or "
+                              "ray, which train on the CPU). docs/engine.md",
+                      ["auto", "cpu", "cuda"], flag="--sim-device")
     ray_address: str | None = opt(None, "engine ray: the Ray cluster, host:port of its head (`ray start --head` "
                                         "prints it), auto = $RAY_ADDRESS or the cluster started on this machine, "
                                         "local = a private Ray in this process (default: auto; docs/scale-out.md)")
@@ -393,6 +399,9 @@ def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = 
         (cfg.availability.kind != "replay" or cfg.availability.trace, "--trace is required with --availability replay"),
         (cfg.availability.kind != "device-trace" or cfg.availability.device_trace,
          "--device-trace is required with --availability device-trace"),
+        (t.device != "cuda" or t.engine == "batched",
+         f"--sim-device cuda trains the batched engine on the GPU; --engine {t.engine} trains on the CPU: use "
+         f"--engine batched, or --sim-device auto or cpu"),
         (cfg.strategy.mifa_storage == "raw" or cfg.strategy.units == "delta",
          f"strategy.mifa_storage {cfg.strategy.mifa_storage} needs strategy.units delta (gradient units already "
          f"divide by the lr) {got('strategy.units', cfg.strategy.units)}: use --units delta or --mifa-storage raw"),

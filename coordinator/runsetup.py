@@ -52,6 +52,8 @@ NOT_BOUND: dict[tuple[str, str], str] = {
     ("train", "steps"): "sent with every task",
     ("train", "engine"): "how the simulation computes; agents train with the reference local_train",
     ("train", "slices"): "how the simulation's batched engine cuts a round; agents train one task each",
+    ("train", "device"): "where the simulation's batched engine computes; agents train on their own device "
+                         "(dropfl client --device)",
     ("train", "ray_address"): "where the simulation computes (engine ray); agents train on their devices",
     ("clock", "profile"): "simulation only: a virtual clock; in the field time is real",
     ("run", "rounds"): "the coordinator's schedule",

@@ -48,7 +48,8 @@ def files(run) -> dict:
 @pytest.fixture
 def cpu_only(monkeypatch):
     """The lockstep executor merges runs on the CPU only (on CUDA, `plan` runs each on its own and says why):
-    the tests of merged sweeps run as on a machine without a GPU, also where one is present."""
+    the tests of merged sweeps run as on a machine without a GPU, also where one is present (the LeNets would train
+    on the CPU there anyway, --sim-device auto; mlp would not)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
@@ -142,8 +143,11 @@ def test_jobs_that_cannot_be_merged_run_on_their_own_and_say_why(tmp_path, cpu_o
         assert plan(many) == [([0, 1, 2, 3], None), ([4], None)]
         many[4].cfg.train.slices = many[0].cfg.train.slices
     assert plan(many, max_runs=2) == [([0], None), ([1, 2], None), ([3, 4], None)]   # near-equal groups
-    with pytest.MonkeyPatch.context() as mp:   # with a GPU: every run on its own, saying why
+    with pytest.MonkeyPatch.context() as mp:   # with a GPU: LeNets still on the CPU (auto); on the GPU, alone
         mp.setattr(torch.cuda, "is_available", lambda: True)
+        assert plan(many) == [([0, 1, 2, 3, 4], None)]
+        for job in many:
+            job.cfg.train.device = "cuda"
         assert [u for u, _ in plan(many)] == [[0], [1], [2], [3], [4]]
         assert all(r.startswith("CUDA") for _, r in plan(many))
     assert EXECUTORS[0] == "lockstep"

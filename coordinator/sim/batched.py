@@ -285,6 +285,33 @@ def kernel_variant(native: bool | str, model: nn.Module, x_all: torch.Tensor, de
     return variant if kernels.available(variant) else None   # "off": never available (kernels.error says why)
 
 
+# The --model names whose batched forward runs the fused CPU kernels (`_lenet`, `_fdms`): what --sim-device auto
+# trains on the CPU (tests/test_engine_device.py checks these names against the models' forwards).
+CPU_FIRST = ("mimic-cnn", "cifar-lenet", "fdms-cnn")
+
+
+def auto_device(model_name: str) -> str:
+    """--sim-device auto, by --model name: "cpu" for the LeNets (`CPU_FIRST`), else "cuda" where
+    `torch.cuda.is_available()`, else "cpu". `engine_device` decides the same from the model itself."""
+    return "cuda" if model_name not in CPU_FIRST and torch.cuda.is_available() else "cpu"
+
+
+def engine_device(requested: str | None, model: nn.Module) -> torch.device:
+    """Where `BatchedEngine` trains `model` (--sim-device): "cpu"; "cuda" (ValueError where
+    `torch.cuda.is_available()` is False); "auto" or None: the CPU for the LeNets, whose first layers are the
+    fused CPU kernels (at batch 16 a LeNet step on a GPU is a few hundred small kernel launches: on an H100 machine
+    the CPU engine with its default 2 slices was faster, docs/engine.md), a GPU for the other models where there
+    is one, else the CPU. Another name is taken as a torch device ("cuda:1")."""
+    if requested in (None, "auto"):
+        lenet = batched_forward(model) in (_lenet, _fdms)
+        return torch.device("cuda" if not lenet and torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"BatchedEngine: device {requested!r}, but torch sees no usable GPU here "
+                         f"(torch.cuda.is_available() is False): use 'auto' or 'cpu'")
+    return device
+
+
 class Group:
     """Trains a list of tasks as one batched computation. Holds the preloaded data of all clients."""
 
@@ -650,19 +677,20 @@ class BatchedEngine:
     """Runs a round's tasks as `groups` batched slices on `workers` processes (0 = in this process).
 
     Data is concatenated once ([Σ n_i, ...]) and handed to the workers once (shared memory); a round
-    only ships the global weights and the tasks. On CUDA, everything runs in this process, with
-    deterministic arithmetic (edge_client/determinism.py: no TF32, no cuDNN autotuning).
+    only ships the global weights and the tasks. `device` (--sim-device): "auto" (the CPU for the LeNets, a GPU
+    for the other models where there is one: `engine_device`), "cpu" or "cuda". On CUDA, everything runs in this
+    process, with deterministic arithmetic (edge_client/determinism.py: no TF32, no cuDNN autotuning).
     `native=False` runs the LeNets' first two layers with torch ops instead of the fused kernels
     (coordinator/kernels; for A/B measurements and tests: the results agree to rounding); a variant's
     name ("avx512", "avx2", "generic") runs that variant's kernels (default: `kernels.requested()`).
     """
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
-                 workers: int | None = None, groups: int = 2, device: str | None = None,
+                 workers: int | None = None, groups: int = 2, device: str | None = "auto",
                  native: bool | str = True):
         self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         batched_forward(model)  # a model without one is refused here, before any worker starts
-        device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = str(engine_device(device, model))   # auto: the CPU for the LeNets, else a GPU if there is one
         if workers and torch.device(device).type != "cpu":   # its worker processes would train on the CPU
             raise ValueError(f"BatchedEngine: worker processes train on the CPU; on {device} the engine runs in "
                              "this process: pass workers=0 (or None), or device='cpu'")

@@ -56,7 +56,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from coordinator.sim.batched import BatchedEngine, Group, _lenet, _logreg, _mlp, batched_forward
+from coordinator.sim.batched import BatchedEngine, Group, _lenet, _logreg, _mlp, auto_device, batched_forward
 from coordinator.sim.kernels import fused_update, inner_fits
 from coordinator.strategies import STRATEGIES
 from edge_client import logs
@@ -81,8 +81,9 @@ def why_not(cfg) -> str | None:
                 "of clients in a batch, so merged runs would not be exact")
     if getattr(cfg.run, "track", None):
         return "--track (the trackers keep process-wide state)"
-    if torch.cuda.is_available():
-        return "CUDA (that a client's result is independent of its batch is checked on the CPU paths only)"
+    if (cfg.train.device if cfg.train.device != "auto" else auto_device(cfg.model.model)) != "cpu":
+        return (f"CUDA (--sim-device {cfg.train.device}: that a client's result is independent of its batch is "
+                "checked on the CPU paths only)")
     return None
 
 
@@ -279,7 +280,7 @@ class Lockstep:
             assert self.model is not None
             # the runs' --slices: the serial executor's engine cuts each run's round the same way
             self.engine = self.owner.submit(BatchedEngine, self.model, self.data, workers=self.workers,
-                                            groups=self.slices).result()
+                                            groups=self.slices, device="cpu").result()   # `why_not`: CPU runs
             if self.labels != {self.engine.describe()}:   # metrics.jsonl's `engine` must say what ran
                 raise RuntimeError(f"lockstep: the runs expect {self.labels}, the engine is {self.engine.describe()}")
         rids = sorted(requests)

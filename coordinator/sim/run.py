@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
+
 from coordinator.config import SimConfig
+from coordinator.errors import UserError
 from coordinator.loop import run_rounds
 from coordinator.rundir import RunDir
 from coordinator.runsetup import setup_run
@@ -24,9 +27,10 @@ def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = Tru
     # the profile is input too: checked before setup_run writes the run directory
     profile = load_profile(cfg.clock.profile, cfg.data.clients) if cfg.clock.profile else None
     engine = cfg.train.engine
+    check_device(cfg.train.device)   # before the run directory is written
     if make_engine is None:   # --slices; --engine ray: the batched engine's slices on Ray actors (coordinator/scale)
         from coordinator.sim.batched import BatchedEngine
-        make_engine = functools.partial(BatchedEngine, groups=cfg.train.slices)
+        make_engine = functools.partial(BatchedEngine, groups=cfg.train.slices, device=cfg.train.device)
         if engine == "ray":
             from coordinator.scale import check_cluster
             from coordinator.scale.ray_engine import RayEngine
@@ -53,6 +57,15 @@ def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = Tru
         transport.close()
     run.save_final(w)
     return run.rundir
+
+
+def check_device(device: str) -> None:
+    """--sim-device cuda where torch sees no GPU: a UserError, before anything is written."""
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else \
+            f"torch (CUDA {torch.version.cuda}) finds no usable GPU"
+        raise UserError(f"--sim-device cuda: {why}; use --sim-device auto (the CPU for the LeNets, else a GPU where "
+                        f"there is one) or cpu")
 
 
 def evaluator(run, engine: str):

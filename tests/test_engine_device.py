@@ -1,0 +1,118 @@
+"""--sim-device: where the batched engine trains (docs/engine.md, "CUDA").
+
+auto picks the CPU for the LeNets (their fused CPU kernels beat a GPU at batch 16, measured on an H100 machine) and a
+GPU for the other models where there is one. These tests decide devices with `torch.cuda.is_available` patched either
+way, so they run the same on machines with and without a GPU; nothing here touches CUDA itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from coordinator.cli import main
+from coordinator.config import SimConfig
+from coordinator.sim import batched
+from coordinator.sim.batched import CPU_FIRST, BatchedEngine, auto_device, engine_device
+from coordinator.sim.lockstep import why_not
+from edge_client.models import MODELS, build_model
+
+SHAPES = {"cifar-lenet": (3, 32, 32), "vgg11": (3, 32, 32)}
+TINY = ["--dataset", "fmnist", "--clients", "4", "--model", "logreg", "--steps", "2", "--batch-size", "8",
+        "--rounds", "1", "--no-progress"]
+
+
+def model(name: str) -> torch.nn.Module:
+    return build_model(name, SHAPES.get(name, (1, 28, 28)), 10)
+
+
+def gpu(monkeypatch, present: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: present)
+
+
+def test_the_cpu_first_names_are_the_models_with_fused_cpu_kernels():
+    """auto decides by --model name where no model is built yet (the lockstep planner) and by the model itself in
+    the engine: both must name the same models."""
+    assert set(CPU_FIRST) == {n for n in MODELS if batched.batched_forward(model(n)) in (batched._lenet, batched._fdms)}
+
+
+@pytest.mark.parametrize("present", [True, False])
+def test_auto_is_the_cpu_for_lenets_and_a_gpu_for_the_rest_where_there_is_one(monkeypatch, present):
+    gpu(monkeypatch, present)
+    for name in MODELS:
+        want = "cpu" if name in CPU_FIRST or not present else "cuda"
+        assert engine_device("auto", model(name)).type == want, name
+        assert engine_device(None, model(name)).type == want, name
+        assert auto_device(name) == want, name
+        assert engine_device("cpu", model(name)).type == "cpu"
+
+
+def test_cuda_without_a_gpu_is_refused(monkeypatch):
+    gpu(monkeypatch, False)
+    with pytest.raises(ValueError, match="no usable GPU"):
+        engine_device("cuda", model("mlp"))
+    with pytest.raises(ValueError, match="no usable GPU"):
+        BatchedEngine(model("mlp"), [(torch.rand(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))], workers=0,
+                      device="cuda")
+
+
+def test_a_lenet_engine_stays_on_the_cpu_on_a_gpu_machine(monkeypatch):
+    """The engine's default is auto: on a machine with a GPU a LeNet trains on the CPU, with its fused kernels where
+    they build; its name says so (no CUDA call is made: the device is decided before anything moves)."""
+    gpu(monkeypatch, True)
+    data = [(torch.rand(6, 1, 28, 28), torch.randint(0, 10, (6,))) for _ in range(2)]
+    engine = BatchedEngine(model("mimic-cnn"), data, workers=0)
+    try:
+        assert engine.device.type == "cpu" and engine.local is not None and engine.local.device.type == "cpu"
+        assert "cuda" not in engine.describe() and engine.details()["device"] == "cpu"
+    finally:
+        engine.close()
+
+
+def test_sim_device_cuda_without_a_gpu_is_one_line_and_writes_nothing(monkeypatch, capsys, tmp_path):
+    gpu(monkeypatch, False)
+    out = tmp_path / "run"
+    assert main(["sim", *TINY, "--sim-device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dropfl: error: --sim-device cuda") and "--sim-device auto" in err[0]
+    assert not out.exists()
+
+
+def test_sim_device_cuda_with_the_loop_engine_is_refused(capsys, tmp_path):
+    out = tmp_path / "run"
+    assert main(["sim", *TINY, "--engine", "loop", "--sim-device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sim-device cuda" in err[0] and "--engine loop" in err[0]
+    assert not out.exists()
+
+
+def test_sim_device_cpu_runs_on_the_cpu_and_is_recorded(monkeypatch, capsys, tmp_path):
+    """--sim-device cpu on a machine with a GPU: logreg (a GPU model under auto) trains on the CPU; the run's log
+    and metrics say so, and config.json records the choice (part of what --resume checks)."""
+    gpu(monkeypatch, True)
+    out = tmp_path / "run"
+    assert main(["sim", *TINY, "--sim-device", "cpu", "--out", str(out)]) == 0
+    assert "[sim] engine: batched — a round's clients as one computation on cpu" in capsys.readouterr().err
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["engine"] for r in rows] == ["batched"]
+    assert json.loads((out / "config.json").read_text())["train"]["device"] == "cpu"
+
+
+def test_the_lockstep_planner_follows_the_device_choice(monkeypatch):
+    """Lockstep groups merge runs on the CPU only: with a GPU, LeNet runs (auto: the CPU) still merge; a run on the
+    GPU (--sim-device cuda, or auto for a model without fused kernels) runs on its own and says why."""
+    gpu(monkeypatch, True)
+    cfg = SimConfig()
+    cfg.model.model = "mimic-cnn"
+    assert why_not(cfg) is None
+    cfg.train.device = "cuda"
+    assert why_not(cfg).startswith("CUDA (--sim-device cuda")
+    cfg.train.device, cfg.model.model = "auto", "mlp"
+    assert why_not(cfg).startswith("CUDA (--sim-device auto")
+    cfg.train.device = "cpu"
+    assert why_not(cfg) is None
+    gpu(monkeypatch, False)
+    cfg.train.device = "auto"
+    assert why_not(cfg) is None
