@@ -6,7 +6,9 @@ benchmark's workload, one worker's half) trains `--steps` steps `--calls` times 
 LeNet step by hand (`batched._lenet_step`) is timed where it runs:
 
   conv1 fwd / conv2 fwd / conv2 bwd / conv1 bwd   the four fused kernels (`kernels.conv_pool_fwd` ...)
-  fc matmuls        the fully connected layers' 9 batched matmuls (`torch.baddbmm`, `Tensor.bmm`: MKL)
+  fc matmuls        the fully connected layers' batched matmuls (`torch.baddbmm`, `Tensor.bmm`: MKL), and with plain
+                    SGD fc1's and fc2's weight gradient and step in one pass (`kernels.fc_sgd`, which replaces two
+                    of the matmuls and those weights' `add_`)
   loss and small ops  the rest of `_lenet_step`: log-softmax, NLL, relu's and the sums' ops, the wrappers
   SGD update        each parameter's `add_` (inside the step by hand, once its gradient is final)
   step loop         the rest of `Group.train`: batch rows, labels, Python, the start and the deltas
@@ -99,6 +101,7 @@ class Timers:
             self.wrap(kernels, name, part, keep=part)
         self.wrap(torch, "baddbmm", "fc matmuls", keep="fc1 fwd (baddbmm)")
         self.wrap(torch.Tensor, "bmm", "fc matmuls")
+        self.wrap(kernels, "fc_sgd", "fc matmuls")            # a weight's gradient and step in one pass
         self.wrap(batched, "_lenet_step", "lenet step")
         self.wrap(torch.Tensor, "add_", "SGD update")         # the step by hand's updates, inside it
         self.wrap(torch, "_foreach_add_", "update after")     # an update after the step (none expected here)
@@ -189,7 +192,8 @@ def main() -> None:
         "parts": rows, "alone_ms": alone_ms,
         "notes": "ms per step, fastest of the timed calls; 'alone': the part's last call in the step repeated on "
                  "the same operands (min of 50): hot caches. fc1 fwd (baddbmm) alone is fc1's forward, the largest "
-                 "of the 9 matmuls.",
+                 "of the matmuls. fc matmuls includes kernels.fc_sgd (fc1's and fc2's weight gradient and SGD step "
+                 "in one pass).",
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_profile.json").write_text(json.dumps(result, indent=1) + "\n")

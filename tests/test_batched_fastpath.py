@@ -11,7 +11,8 @@
 - The LeNets' step by hand (`batched._lenet_step`): with both layers fused, each step's forward, loss and
   gradients are computed without autograd, by the ops autograd runs, and each parameter is updated inside the
   step as soon as its gradient is final; the weights and losses must be bitwise those of the autograd path
-  (`Group.by_hand = False`), which updates after the step.
+  (`Group.by_hand = False`), which updates after the step. With plain SGD, a fully connected weight's gradient
+  and its step are one pass (`kernels.fc_sgd`), where its bits are the torch ops' (on x86 with MKL: fc1 and fc2).
 - The FedProx / SCAFFOLD update with one lr (`kernels.sgd_update`, through `kernels.sgd_updater`): one fused pass per
   parameter instead of the torch ops g + μ(w − w_global), + c, w.add_(g, alpha=−lr); the weights must be bitwise those
   of the torch ops (`kernels.fused_update` turned off), from one start (a serial slice) and from one start per task
@@ -139,15 +140,38 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
                  for c in range(len(sizes))],
         "scaffold": [TrainTask(client=c, round=1, lr=0.05, batch_size=8, steps=3, seed=3, grad_correction=corr)
                      for c in range(len(sizes))]}
-    for tasks in rounds.values():
+    from coordinator.sim import kernels
+    one_pass: list[bool] = []   # what kernels.fc_sgd did, step by step (the weights it updated in one pass)
+
+    def fc_sgd(*args, **kwargs) -> bool:
+        one_pass.append(real(*args, **kwargs))
+        return one_pass[-1]
+    real = kernels.fc_sgd
+    for kind, tasks in rounds.items():
         out = {}
         for by_hand in (True, False):
             group = Group(model, x_all, y_all, offsets, sizes, threads=1)
             assert group.by_hand, "the LeNet with both fused layers takes the step by hand"
             group.by_hand = by_hand
-            out[by_hand] = group.train(w, tasks)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kernels, "fc_sgd", fc_sgd)
+                out[by_hand] = group.train(w, tasks)
         for a, b in zip(out[True], out[False]):
             assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
+        if kind == "plain" and _mkl_x86() and dtype == torch.float32:
+            assert any(one_pass), "the one-pass weight step never ran where MKL's order is known (x86, MKL)"
+        if kind != "plain":
+            assert not one_pass, "the one-pass weight step is plain SGD's only"
+        one_pass.clear()
+
+
+def _mkl_x86() -> bool:
+    """x86 with torch's MKL and a kernel variant with FMA: where `kernels.fc_sgd` gives the torch ops' bits."""
+    import platform
+
+    from coordinator.sim import kernels
+    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkl.is_available()
+            and kernels.chosen() in ("avx512", "avx2"))
 
 
 def test_models_without_both_fused_layers_use_autograd() -> None:

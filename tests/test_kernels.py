@@ -15,6 +15,7 @@ failed build of any variant fails.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def test_the_source_cross_compiles_for_aarch64(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     nm = shutil.which("aarch64-linux-gnu-nm") or shutil.which("nm")
     symbols = subprocess.run([nm, "--defined-only", str(obj)], capture_output=True, text=True).stdout
-    for name in ("conv_pool_fwd", "conv_pool_bwd", "conv2_pool_fwd", "conv2_pool_bwd"):
+    for name in ("conv_pool_fwd", "conv_pool_bwd", "conv2_pool_fwd", "conv2_pool_bwd", "fc_sgd", "sgd_update"):
         for suffix in ("f32", "f64"):
             assert f"dropfl_{name}_{suffix}" in symbols
 
@@ -392,6 +393,42 @@ def test_the_fused_update_gives_the_torch_ops_bits(variant: str, dtype: torch.dt
                                                     or os.uname().machine in ("aarch64", "arm64"))
     with pytest.raises(ValueError):
         kernels.sgd_update(p0, g[:, :-1].contiguous(), None, None, None, -0.1, variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_linear_weights_gradient_and_step_in_one_pass_give_the_torch_ops_bits(variant: str,
+                                                                              dtype: torch.dtype) -> None:
+    """`fc_sgd` (plain SGD of a fully connected weight in the LeNet step by hand: its gradient xᵀ·g and the step in
+    one pass): where it runs, the bits of `w.add_(xᵀ.bmm(g), alpha=-lr)`; where it does not (a shape whose bits it
+    would not give, a layer narrower than a vector) it leaves w as it was and says so. On x86 with MKL and FMA it
+    runs for the LeNets' fully connected layers (mimic-cnn's 256→120 and 120→84, cifar-lenet's 400→120) at any
+    batch, so a change of the kernel's order fails here instead of quietly falling back."""
+    gen = torch.Generator().manual_seed(11)
+    as_int = torch.int32 if dtype == torch.float32 else torch.int64
+    lanes = {"avx512": 64, "avx2": 32}.get(variant, 16) // torch.empty(0, dtype=dtype).element_size()
+    for b, fin, fout in [(16, 256, 120), (8, 120, 84), (1, 256, 120), (2, 120, 84), (7, 400, 120), (16, 84, 10),
+                         (17, 30, 33), (33, 17, 64), (5, 9, 3)]:
+        x = torch.relu(torch.randn(4, b, fin, generator=gen, dtype=dtype))
+        g = 0.1 * torch.randn(4, b, fout, generator=gen, dtype=dtype)
+        w = torch.randn(4, fin, fout, generator=gen, dtype=dtype)
+        want, got = w.clone(), w.clone()
+        kernels._torch_fc_sgd(x, g, want, -0.05)
+        ran = kernels.fc_sgd(x, g, got, -0.05, variant)
+        assert ran == kernels.fc_sgd_exact(variant, dtype, b, fin, fout)
+        assert torch.equal(got.view(as_int), (want if ran else w).view(as_int)), (b, fin, fout, ran)
+        assert ran or fout < lanes or variant == "generic" or not _mkl_x86(), (b, fin, fout)
+        assert not ran or fout >= lanes
+    if _mkl_x86() and variant != "generic" and dtype == torch.float32:
+        assert all(kernels.fc_sgd_exact(variant, dtype, b, fin, fout) for b in (1, 2, 3, 8, 16, 32)
+                   for fin, fout in ((256, 120), (120, 84), (400, 120)))
+    with pytest.raises(ValueError, match="fc_sgd"):
+        kernels.fc_sgd(x, g[:, :-1].contiguous(), w, -0.05, variant)
+
+
+def _mkl_x86() -> bool:
+    """x86 with torch's MKL: where `fc_sgd`'s order (each gradient element one FMA chain over the batch rows) is
+    MKL's for these shapes, measured."""
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkl.is_available()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -154,8 +154,9 @@ def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
     return z.linear(torch.relu(z.linear(h, "fc2")), "fc3")
 
 
-def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = None,
+                sgd: Callable[[str, torch.Tensor, torch.Tensor], bool] | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """`_lenet`'s forward, the per-client loss and the gradients of every parameter, by hand, for the LeNets with
     both fused layers: the very aten ops, on the very operands, that `torch.autograd.grad(loss.sum(), params)`
     runs on `_lenet` (torch's derivative formulas for baddbmm, relu, log_softmax, nll_loss, mul, sum and div),
@@ -163,11 +164,23 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     step. Returns (loss [K], {name: gradient}) with the parameters' shapes.
     `apply(name, gradient)`, if given, is called once per parameter as soon as its gradient is final and the step
     no longer reads the parameter (its SGD update, while the gradient is still in cache: the same update on the
-    same values as after the step)."""
+    same values as after the step). `sgd(name, x, g)`, if given (with `apply`, plain SGD), makes a fully connected
+    weight's gradient xᵀ·g and its SGD step in one pass (`kernels.fc_sgd`) and says whether it did; that weight's
+    gradient is then None."""
     def done(*names: str) -> None:
         if apply is not None:
             for n in names:
-                apply(n, grads[n])
+                if grads[n] is not None:
+                    apply(n, grads[n])
+
+    def back(name: str, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, relu: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # baddbmm's derivatives: the input's grad·wᵀ (then relu's threshold_backward, where a relu'd `x` came in;
+        # it reads the weight, so it comes first) and the weight's xᵀ·grad, or with `sgd` the weight's gradient and
+        # step in one pass where that runs (the weight's gradient is then None)
+        gx = g.bmm(w.transpose(1, 2))
+        gx = gx if relu is None else torch.ops.aten.threshold_backward(gx, relu, 0)
+        return gx, None if sgd is not None and sgd(name, x, g) else x.transpose(1, 2).bmm(g)
 
     p, k, b, st = z.p, z.k, z.b, z.s
     # client-major layouts between the two fused layers (no autograd sits between them here): the second layer
@@ -191,14 +204,14 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     g = st.dloss
     g = torch.ops.aten.nll_loss_backward(g.reshape(-1), lsm, target, None, 0, -100, total_weight)
     g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
-    grads = {"fc3.bias": g.sum(1), "fc3.weight": r2.transpose(1, 2).bmm(g)}   # baddbmm: sum_to(grad), b1ᵀ·grad
-    g = torch.ops.aten.threshold_backward(g.bmm(w3.transpose(1, 2)), r2, 0)   # grad·b2ᵀ, then relu's
+    grads: dict[str, torch.Tensor | None] = {"fc3.bias": g.sum(1)}   # baddbmm: the bias's is sum_to(grad)
+    g, grads["fc3.weight"] = back("fc3.weight", r2, g, w3, r2)
     done("fc3.bias", "fc3.weight")
-    grads |= {"fc2.bias": g.sum(1), "fc2.weight": r1.transpose(1, 2).bmm(g)}
-    g = torch.ops.aten.threshold_backward(g.bmm(w2.transpose(1, 2)), r1, 0)
+    grads["fc2.bias"] = g.sum(1)
+    g, grads["fc2.weight"] = back("fc2.weight", r1, g, w2, r1)
     done("fc2.bias", "fc2.weight")
-    gin = g.bmm(w1.transpose(1, 2))
-    grads |= {"fc1.bias": g.sum(1), "fc1.weight": h2.transpose(1, 2).bmm(g)}
+    grads["fc1.bias"] = g.sum(1)
+    gin, grads["fc1.weight"] = back("fc1.weight", h2, g, w1, None)
     done("fc1.bias", "fc1.weight")
     gh, gw2, gb2 = kernels.conv2_pool_bwd(saved2, gin)   # reads conv2's weight: its update after this
     grads |= {"conv2.weight": gw2.view(p["conv2.weight"].shape), "conv2.bias": gb2.view(k, -1)}
@@ -419,6 +432,9 @@ class Group:
             else:
                 updater_of[n](g.contiguous(), k, neg_lr[0], prox)
 
+        def sgd(n: str, x: torch.Tensor, g: torch.Tensor) -> bool:   # plain SGD: a linear weight's gradient and
+            return kernels.fc_sgd(x, g, live[n], neg_lr[0], self.native)   # step in one pass, where exact
+
         live_k = None
         in_step = self.by_hand and (plain_sgd or fused)   # the step by hand updates as it goes (`apply`)
         for step in self._steps(tasks, plans, data):
@@ -428,8 +444,8 @@ class Group:
                 if k != live_k:   # the active clients' views, made again only when a client has finished
                     live, live_k = {n: p[:k] for n, p in params.items()}, k
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
-                loss, by_name = _lenet_step(z, apply if in_step else None)
-                grads = tuple(by_name[n] for n in live)
+                loss, by_name = _lenet_step(z, apply if in_step else None, sgd if in_step and plain_sgd else None)
+                grads = tuple(by_name[n] for n in live)   # (not read where the step updated in_step)
             else:
                 live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
