@@ -706,10 +706,13 @@ class BatchedEngine:
                  native: bool | str = True):
         self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         batched_forward(model)  # a model without one is refused here, before any worker starts
+        def refuse_workers(dev: str | None) -> None:   # its worker processes would train on the CPU
+            if workers and dev not in (None, "auto") and torch.device(dev).type != "cpu":
+                raise ValueError(f"BatchedEngine: worker processes train on the CPU; on {dev} the engine runs in "
+                                 "this process: pass workers=0 (or None), or device='cpu'")
+        refuse_workers(device)   # as asked: before any CUDA check
         device = str(engine_device(device, model))   # auto: the CPU for the LeNets, else a GPU if there is one
-        if workers and torch.device(device).type != "cpu":   # its worker processes would train on the CPU
-            raise ValueError(f"BatchedEngine: worker processes train on the CPU; on {device} the engine runs in "
-                             "this process: pass workers=0 (or None), or device='cpu'")
+        refuse_workers(device)   # as resolved
         if is_cuda(device):
             cuda_deterministic()  # before anything reaches the GPU
         sizes = [len(y) for _, y in client_data]

@@ -536,9 +536,9 @@ def fc_sgd_exact(variant: str, dtype: torch.dtype, b: int, fin: int, fout: int) 
     """Whether `fc_sgd` with `variant`'s library gives the bits of the torch ops it replaces (`_torch_fc_sgd`) for
     batches of `b` rows and an `fin`→`fout` layer, in this process: the kernel sums each gradient element in the
     order MKL's sgemm does for these shapes on the CPUs measured, which another BLAS, CPU or shape need not. Checked
-    once per shape on random operands (relu'd inputs: some zeros) of 3 clients, twice; the engine uses the kernel
-    only where True (and the torch ops elsewhere)."""
-    key = (variant, dtype, b, fin, fout)
+    once per shape and thread count (the engine's slices run 1 thread) on random operands (relu'd inputs: some
+    zeros) of 3 clients, twice; the engine uses the kernel only where True (and the torch ops elsewhere)."""
+    key = (variant, dtype, b, fin, fout, torch.get_num_threads())   # MKL may take another path with more threads
     if key not in _fc_exact:
         ok = available(variant) and dtype in (torch.float32, torch.float64)
         gen = torch.Generator().manual_seed(20261124)
