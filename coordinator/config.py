@@ -107,10 +107,13 @@ class TrainConfig:
                                  "cluster (--ray-address), the weights of batched with the same --slices "
                                  "(docs/scale-out.md)",
                       ["batched", "loop", "ray"])
-    slices: int = opt(2, "batched and ray engines: a round's tasks are cut into this many fixed slices, each one "
-                         "batched computation; which process or node trains a slice does not change the results, "
-                         "the number of slices may (float rounding); ray: at most one actor per slice",
-                      minimum=1)
+    slices: int = opt(0, "batched and ray engines: a round's tasks are cut into this many fixed slices, each one "
+                         "batched computation (and worker process); which process or node trains a slice does not "
+                         "change the results, the number of slices may (float rounding) but for mlp, logreg and "
+                         "the LeNets with their native kernels (fdms-cnn excepted). 0 = auto (default): one per "
+                         "CPU core (at least 2, at most 16) for those models, where it changes nothing but the "
+                         "speed, else 2; ray: at most one actor per slice",
+                      minimum=0)
     device: str = opt("auto", "batched engine: where a round's clients train. auto = the CPU for the LeNets "
                               "(mimic-cnn, cifar-lenet, fdms-cnn: at their batch sizes the fused CPU kernels beat a "
                               "GPU, measured on an H100 machine), a GPU for the other models where there is one, else "

@@ -229,6 +229,11 @@ RESUMABLE_CHANGES = {("run", "rounds"), ("run", "out"), ("run", "threads"), ("ru
                      ("run", "checkpoint_every"), ("run", "track"), ("run", "track_dir"), ("run", "state_store")}
 
 
+# --slices 0 (auto) is 2 wherever the number of slices can change a run's results (batched.slices_for): a run written
+# with 2 (the default before auto) resumes with auto, and back, with the same bits
+SLICES_AS_BEFORE = {0, 2}
+
+
 def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
     """The checkpoint to resume from, after checking that it, the metrics and config.json fit this config."""
     ck = load_checkpoint_file(path / CHECKPOINT)
@@ -253,7 +258,8 @@ def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
         # an option added after the run was written counts as its default (the run was made without it)
         was = {(s, k): old.get(s, {}).get(k, default[s][k]) for s, sec in new.items() for k in sec}
         differ = [f"{s}.{k} ({was[s, k]!r} → {v!r})" for s, sec in new.items() for k, v in sec.items()
-                  if (s, k) not in RESUMABLE_CHANGES and was[s, k] != v]
+                  if (s, k) not in RESUMABLE_CHANGES and was[s, k] != v
+                  and not ((s, k) == ("train", "slices") and {was[s, k], v} <= SLICES_AS_BEFORE)]
         if differ:
             raise UserError(f"--resume: the run in {path} was made with other settings: {', '.join(differ)}; "
                             f"resume with its own config (--config {saved}) or start a new run")

@@ -116,3 +116,48 @@ def test_the_lockstep_planner_follows_the_device_choice(monkeypatch):
     gpu(monkeypatch, False)
     cfg.train.device = "auto"
     assert why_not(cfg) is None
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_auto_slices_follow_the_cores_only_where_they_cannot_change_the_results(monkeypatch, name):
+    """--slices 0 (auto, the default): one slice per core, at least 2 and at most AUTO_SLICES_MAX, for the models
+    whose clients' results do not depend on their computation's other clients (batch_independent: mlp, logreg, the
+    LeNets with both fused layers); 2, as before auto, for the others. An explicit count is kept."""
+    gpu(monkeypatch, False)
+    m = model(name)
+    native = batched.kernels.chosen() if batched.kernels.available() else None
+    lenet = batched.batched_forward(m) is batched._lenet
+    independent = name in ("mlp", "logreg") or (lenet and native is not None)
+    assert batched.batch_independent(m, native if lenet or name == "fdms-cnn" else None, torch.float32,
+                                      torch.device("cpu")) == independent
+    for cores, want in ((1, 2), (2, 2), (6, 6), (64, batched.AUTO_SLICES_MAX)):
+        monkeypatch.setattr(batched, "cpus", lambda cores=cores: cores)
+        got = batched.slices_for(0, m, native, torch.float32, torch.device("cpu"))
+        assert got == (want if independent else 2), (cores, got)
+        assert batched.slices_for(3, m, native, torch.float32, torch.device("cpu")) == 3
+    assert batched.slices_for(0, m, native, torch.float32, torch.device("cuda")) == 2   # a GPU: not checked there
+    assert not batched.batch_independent(m, native, torch.float32, torch.device("cuda"))
+
+
+def test_the_engine_takes_auto_slices_and_says_how_many(monkeypatch):
+    gpu(monkeypatch, False)
+    monkeypatch.setattr(batched, "cpus", lambda: 5)
+    data = [(torch.rand(6, 1, 28, 28), torch.randint(0, 10, (6,))) for _ in range(7)]
+    engine = BatchedEngine(model("mlp"), data, workers=0, groups=0)
+    try:
+        assert engine.details()["slices"] == 5 and len(engine.slices(list(range(7)))) == 5
+    finally:
+        engine.close()
+
+
+def test_a_run_made_with_two_slices_resumes_with_auto_and_back(tmp_path, capsys):
+    """Before auto the default was 2; auto is 2 wherever the number of slices could change the results, so --resume
+    takes either for the other. Another count is still a changed setting."""
+    out = tmp_path / "run"
+    args = [*[a if a != "1" else "2" for a in TINY], "--out", str(out)]
+    assert main(["sim", *args, "--slices", "2", "--rounds", "1"]) == 0
+    assert main(["sim", *args, "--resume"]) == 0   # auto (0) against the run's 2
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    capsys.readouterr()
+    assert main(["sim", *args, "--slices", "3", "--rounds", "3", "--resume"]) == 2
+    assert "train.slices (0 → 3)" in capsys.readouterr().err

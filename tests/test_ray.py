@@ -8,6 +8,7 @@ dashboard) serves the whole module; the fixture starts it and shuts it down.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -81,6 +82,17 @@ def test_sweep_on_ray_equals_serial(tmp_path, cluster):
         run_sweep([job], executor=ex, progress=False)
     assert files(more["serial"].out) == files(more["ray"].out)
     assert [r["round"] for r in files(more["ray"].out)["metrics"]] == [0, 1, 2]
+
+
+def test_auto_slices_count_a_ray_tasks_cpus_not_its_nodes(cluster):
+    """--slices auto inside a Ray task (a sweep's run on Ray takes 1 CPU) counts the CPU Ray assigned it, not the
+    node's cores: its engine then starts 2 worker processes, as before auto, instead of one per core of the node.
+    On the driver it counts this process's CPUs."""
+    import ray
+
+    from coordinator.sim import batched
+    assert ray.get(ray.remote(num_cpus=1)(batched.cpus).remote()) == 1
+    assert batched.cpus() == len(os.sched_getaffinity(0))
 
 
 def test_sweep_on_ray_checks_every_run_directory_first(tmp_path, cluster):

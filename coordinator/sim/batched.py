@@ -325,6 +325,54 @@ def engine_device(requested: str | None, model: nn.Module) -> torch.device:
     return device
 
 
+AUTO_SLICES_MAX = 16   # --slices auto's most: each slice is a worker process (torch, the model, its buffers)
+
+
+def cpus() -> int:
+    """The CPUs this process may use: inside a Ray task or actor, the CPUs Ray assigned it (a sweep's runs on Ray
+    take 1 each); else those it may run on (its affinity), else `os.cpu_count()`."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        try:   # the driver is not a worker: Ray asserts
+            assigned = ray.get_runtime_context().get_assigned_resources().get("CPU")
+        except (AssertionError, AttributeError, RuntimeError):
+            assigned = None
+        if assigned:
+            return max(1, int(assigned))
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def batch_independent(model: nn.Module, native: str | None, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the engine gives each client the same bits whatever other clients share its computation: mlp and
+    logreg (batched matmuls, one client's matrices at a time) and the LeNets with both fused layers (the kernels
+    take one client after another), on the CPU. Not the torch grouped convolutions (fdms-cnn's second layer, vgg11,
+    a LeNet without its kernels: they round differently with the number of clients), nor a GPU (not checked).
+    tests/test_sweep.py checks it on the paths it admits."""
+    if device.type != "cpu":
+        return False
+    fn = batched_forward(model)
+    if fn in (_mlp, _logreg):
+        return True
+    if fn is _lenet and native:
+        w = dict(model.named_parameters())["conv2.weight"]
+        return kernels.inner_fits(w.shape[1], w.shape[0], tuple(w.shape[2:]), dtype)
+    return False
+
+
+def slices_for(groups: int, model: nn.Module, native: str | None, dtype: torch.dtype, device: torch.device) -> int:
+    """--slices: `groups` where ≥ 1; 0 (auto): one slice (a worker process) per CPU (`cpus()`), at least 2 and at
+    most `AUTO_SLICES_MAX`, where the number of slices cannot change the results (`batch_independent`), else 2, the
+    fixed number it was before auto, as the slices may change a run's rounding there. So auto gives each run the
+    results of --slices 2 on any machine, and uses the machine's cores where that costs nothing."""
+    if groups >= 1:
+        return groups
+    if not batch_independent(model, native, dtype, device):
+        return 2
+    return max(2, min(AUTO_SLICES_MAX, cpus()))
+
+
 class Group:
     """Trains a list of tasks as one batched computation. Holds the preloaded data of all clients."""
 
@@ -722,9 +770,7 @@ class BatchedEngine:
         x_all = torch.cat([x for x, _ in client_data])
         y_all = torch.cat([y for _, y in client_data])
         model = _strip_generators(model)
-        if workers is None:
-            workers = 0 if device != "cpu" else min(groups, os.cpu_count() or 1)
-        self.groups, self.workers, self.device = max(1, groups), workers, torch.device(device)
+        self.device = torch.device(device)
         threads = 1 if device == "cpu" else torch.get_num_threads()   # per slice, in any process
         # the fused layers' kernel variant (its name, or None), decided and built here, once, for every
         # slice and worker: the workers are told the variant, they do not choose again
@@ -732,6 +778,10 @@ class BatchedEngine:
         self.requested = None if native is False else kernels.requested() if native is True else kernels.check(native)
         self.native = kernel_variant(native, model, x_all, self.device)
         variant = self.native or False
+        groups = slices_for(groups, model, self.native, x_all.dtype, self.device)   # 0: auto
+        if workers is None:
+            workers = 0 if device != "cpu" else min(groups, cpus())
+        self.groups, self.workers = max(1, groups), workers
         self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant) if workers == 0 else None
         if workers > 0:
             import torch.multiprocessing as tmp

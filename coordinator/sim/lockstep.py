@@ -56,8 +56,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from coordinator.sim.batched import BatchedEngine, Group, _lenet, _logreg, _mlp, auto_device, batched_forward
-from coordinator.sim.kernels import fused_update, inner_fits
+from coordinator.sim.batched import BatchedEngine, Group, auto_device, batch_independent
+from coordinator.sim.kernels import fused_update
 from coordinator.strategies import STRATEGIES
 from edge_client import logs
 from edge_client.trainer import LocalResult, TrainTask
@@ -96,13 +96,7 @@ def group_key(cfg) -> tuple:
 
 def _merges(model: torch.nn.Module, group: Group) -> bool:
     """Whether this engine path gives each client the same bits whatever clients share its computation."""
-    fn = batched_forward(model)
-    if fn in (_mlp, _logreg):
-        return True
-    if fn is _lenet and group.native:
-        w = dict(model.named_parameters())["conv2.weight"]
-        return inner_fits(w.shape[1], w.shape[0], tuple(w.shape[2:]), group.x_all.dtype)
-    return False
+    return batch_independent(model, group.native, group.x_all.dtype, group.device)
 
 
 def _key(tasks: list[TrainTask], merges: bool, fused: bool = False) -> tuple[tuple, int] | None:
