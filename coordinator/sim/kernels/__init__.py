@@ -485,6 +485,12 @@ def sgd_updater(p: torch.Tensor, anchor: torch.Tensor | None, mu: torch.Tensor |
 _exact: dict[tuple[str, torch.dtype], bool] = {}
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float32/float64 tensors hold the same bits (NaN payloads and the sign of zero included)."""
+    as_int = torch.int32 if a.dtype == torch.float32 else torch.int64
+    return a.dtype == b.dtype and bool(torch.equal(a.view(as_int), b.view(as_int)))
+
+
 def sgd_update_exact(variant: str, dtype: torch.dtype) -> bool:
     """Whether `sgd_update` with `variant`'s library gives the bits of the torch ops it replaces, in this process
     (torch's add with alpha is one fma in its vectorised loop and in its scalar tail on the CPUs measured; a torch
@@ -507,8 +513,7 @@ def sgd_update_exact(variant: str, dtype: torch.dtype) -> bool:
                 want, got = p0.clone(), p0.clone()
                 _torch_update(want, g, anchor, m, cc, -0.0123)
                 sgd_update(got, g, anchor, m, cc, -0.0123, variant)
-                ok = ok and bool(torch.equal(want.view(torch.int32 if dtype == torch.float32 else torch.int64),
-                                             got.view(torch.int32 if dtype == torch.float32 else torch.int64)))
+                ok = ok and _same_bits(want, got)
         _exact[key] = ok
     return _exact[key]
 
@@ -542,14 +547,13 @@ def fc_sgd_exact(variant: str, dtype: torch.dtype, b: int, fin: int, fout: int) 
     if key not in _fc_exact:
         ok = available(variant) and dtype in (torch.float32, torch.float64)
         gen = torch.Generator().manual_seed(20261124)
-        as_int = torch.int32 if dtype == torch.float32 else torch.int64
         for _ in range(2 if ok else 0):
             x = torch.relu(torch.randn(3, b, fin, generator=gen, dtype=dtype))
             g = torch.randn(3, b, fout, generator=gen, dtype=dtype) * 0.1
             w = torch.randn(3, fin, fout, generator=gen, dtype=dtype)
             want, got = w.clone(), w.clone()
             _torch_fc_sgd(x, g, want, -0.0123)
-            ok = ok and _fc_call(x, g, got, -0.0123, variant) and torch.equal(want.view(as_int), got.view(as_int))
+            ok = ok and _fc_call(x, g, got, -0.0123, variant, (3, b, fin, fout)) and _same_bits(want, got)
         _fc_exact[key] = ok
     return _fc_exact[key]
 
@@ -562,9 +566,10 @@ def _fc_shapes(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> tuple[int, 
     return x.shape[0], x.shape[1], x.shape[2], g.shape[2]
 
 
-def _fc_call(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, neg_lr: float, variant: str | None) -> bool:
-    k, b, fin, fout = _fc_shapes(x, g, w)
-    return _entry(_lib(variant), "fc_sgd", x.dtype)(_ptr(x), _ptr(g), _ptr(w), k, b, fin, fout, neg_lr) == 0
+def _fc_call(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, neg_lr: float, variant: str | None,
+             dims: tuple[int, int, int, int]) -> bool:
+    """The kernel on operands whose shapes (`dims`: K, B, in, out) the caller has checked (`_fc_shapes`)."""
+    return _entry(_lib(variant), "fc_sgd", x.dtype)(_ptr(x), _ptr(g), _ptr(w), *dims, neg_lr) == 0
 
 
 def fc_sgd(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, neg_lr: float, variant: str | None = None) -> bool:
@@ -574,5 +579,5 @@ def fc_sgd(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, neg_lr: float, var
     memory. Where its bits would not be the torch ops' for this shape (`fc_sgd_exact`), or the layer is narrower
     than a vector, it does nothing and returns False: the caller then runs the torch ops (`_torch_fc_sgd`)."""
     variant = variant or chosen()
-    _, b, fin, fout = _fc_shapes(x, g, w)
-    return fc_sgd_exact(variant, x.dtype, b, fin, fout) and _fc_call(x, g, w, neg_lr, variant)
+    dims = _fc_shapes(x, g, w)
+    return fc_sgd_exact(variant, x.dtype, *dims[1:]) and _fc_call(x, g, w, neg_lr, variant, dims)
