@@ -5,7 +5,7 @@ of `--clients` clients (`Group.train`, 1 thread, mimic-cnn on FMNIST, batch 16, 
 benchmark's workload, one worker's half) trains `--steps` steps `--calls` times while every part of the
 LeNet step by hand (`batched._lenet_step`) is timed where it runs:
 
-  conv1 fwd / conv2 fwd / conv2 bwd / conv1 bwd   the four fused kernels (`kernels.conv_pool_fwd` ...)
+  conv1 fwd / conv2 fwd / conv2 bwd / conv1 bwd   the four fused kernels (`kernels.LeNetLayers.fwd1` ...)
   fc matmuls        the fully connected layers' batched matmuls (`torch.baddbmm`, `Tensor.bmm`: MKL), and with plain
                     SGD fc1's and fc2's weight gradient and step in one pass (`kernels.fc_sgd`, which replaces two
                     of the matmuls and those weights' `add_`)
@@ -50,8 +50,7 @@ from sim_throughput import peak_flops  # noqa: E402  (the bound's matmul rate, h
 
 HERE = Path(__file__).resolve().parent
 SAMPLES, BATCH = 2000, 16
-KERNELS = {"conv1 fwd": "conv_pool_fwd", "conv2 fwd": "conv2_pool_fwd",
-           "conv2 bwd": "conv2_pool_bwd", "conv1 bwd": "conv_pool_bwd"}
+KERNELS = {"conv1 fwd": "fwd1", "conv2 fwd": "fwd2", "conv2 bwd": "bwd2", "conv1 bwd": "bwd1"}   # LeNetLayers
 PARTS = [*KERNELS, "fc matmuls", "loss and small ops", "SGD update", "step loop"]
 FC1_IN = 256   # mimic-cnn's fc1 inputs: the baddbmm kept for timing alone is fc1's forward
 
@@ -98,7 +97,7 @@ class Timers:
 
     def __enter__(self) -> Timers:
         for part, name in KERNELS.items():
-            self.wrap(kernels, name, part, keep=part)
+            self.wrap(kernels.LeNetLayers, name, part, keep=part)
         self.wrap(torch, "baddbmm", "fc matmuls", keep="fc1 fwd (baddbmm)")
         self.wrap(torch.Tensor, "bmm", "fc matmuls")
         self.wrap(kernels, "fc_sgd", "fc matmuls")            # a weight's gradient and step in one pass

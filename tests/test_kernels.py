@@ -499,6 +499,52 @@ def test_client_major_layouts_give_the_same_bits(cin: int, side: int, o: int, dt
     assert torch.equal(kernels.conv_pool_bwd(s_cm, gh_cm)[0], kernels.conv_pool_bwd(s, gh)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cin,side", [(1, 28), (3, 32)])
+def test_prepared_layers_give_the_functions_bits(cin: int, side: int, dtype: torch.dtype, variant: str) -> None:
+    """`LeNetLayers` (the step by hand's calls, prepared once) computes what `conv_pool_fwd`, `conv2_pool_fwd`,
+    `conv2_pool_bwd` and `conv_pool_bwd` compute in client-major layouts, bit for bit, step after step in its reused
+    buffers, with all clients and with a prefix of them (clients that have finished); it refuses rows out of range
+    and shapes it was not made for."""
+    g = torch.Generator().manual_seed(5)
+    k, b, n, o = 4, 5, 30, 6
+    x_all = torch.randn(n, cin, side, side, generator=g, dtype=dtype)
+    xs = kernels.split_images(x_all, 5, variant)
+    w1 = torch.randn(k, o, cin, 5, 5, generator=g, dtype=dtype) * 0.3
+    b1 = torch.randn(k, o, generator=g, dtype=dtype) * 0.1
+    w2 = torch.randn(k, 16, o, 5, 5, generator=g, dtype=dtype) * 0.2
+    b2 = torch.randn(k, 16, generator=g, dtype=dtype) * 0.1
+    layers = kernels.LeNetLayers(variant, x_all, xs, w1, b1, w2, b2, b)
+    table = torch.randint(0, n, (3, k, b), generator=g)   # every step's rows, as Group._steps makes them
+    for step, kk in enumerate((k, k, 2)):
+        rows = table[step, :kk]
+        args1 = (x_all, rows, w1[:kk].flatten(0, 1), b1[:kk].reshape(-1), variant, xs)
+        y1, s1 = kernels.conv_pool_fwd(*args1, client_major=True)
+        y2, s2 = kernels.conv2_pool_fwd(y1, w2[:kk].flatten(0, 1), b2[:kk].reshape(-1), kk, variant, client_major=True)
+        gy = torch.randn(y2.shape, generator=g, dtype=dtype)
+        gh, gw2, gb2 = kernels.conv2_pool_bwd(s2, gy)
+        gw1, gb1 = kernels.conv_pool_bwd(s1, gh)
+        assert torch.equal(layers.fwd1(rows, kk), y1)
+        assert torch.equal(layers.fwd2(kk), y2)
+        got_gh, got_gw2, got_gb2 = layers.bwd2(gy, kk)
+        assert torch.equal(got_gh, gh) and torch.equal(got_gw2, gw2.view(kk, 16, o, 5, 5))
+        assert torch.equal(got_gb2, gb2.view(kk, 16))
+        got_gw1, got_gb1 = layers.bwd1(kk)
+        assert torch.equal(got_gw1, gw1.view(kk, o, cin, 5, 5)) and torch.equal(got_gb1, gb1.view(kk, o))
+        w1.add_(0.01)   # the engine updates the parameters in place between steps
+        w2.sub_(0.01)
+    with pytest.raises(IndexError, match="indices into the 30 images"):
+        layers.fwd1(torch.full((3, k, b), n)[0], k)
+    with pytest.raises(ValueError, match="need contiguous"):
+        layers.fwd1(table[0, :, :2], k)
+    with pytest.raises(ValueError, match="at most 4 clients"):
+        layers.fwd1(torch.zeros(5, b, dtype=torch.int64), 5)
+    with pytest.raises(ValueError, match="need"):
+        layers.bwd2(torch.zeros(k, b, 7, dtype=dtype), k)
+    with pytest.raises(ValueError, match="not the LeNet layers"):
+        kernels.LeNetLayers(variant, x_all, xs, w1, b1, w2[:, :, :3].contiguous(), b2, b)
+
+
 def test_mixed_dtypes_and_bad_indices_are_refused() -> None:
     with pytest.raises(TypeError, match="one dtype"):
         kernels.conv_pool_relu(torch.rand(2, 1, 28, 28), torch.tensor([[0, 1]]), torch.rand(6, 1, 5, 5).double(),

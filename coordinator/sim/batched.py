@@ -67,12 +67,13 @@ class _Batch:
 
     def __init__(self, params: dict[str, torch.Tensor], step: _Step, gens: list[torch.Generator],
                  x_all: torch.Tensor, native: str | None = None, x_split: torch.Tensor | None = None,
-                 training: bool = True):
+                 training: bool = True, layers: kernels.LeNetLayers | None = None):
         # native: the kernel variant that runs the fused layers (coordinator/sim/kernels), None: torch ops;
         # x_split: x_all as that variant's first-layer kernel reads it (`kernels.split_images`);
-        # training: False = the model's eval mode (dropout passes its input through), for `Evaluator`
+        # training: False = the model's eval mode (dropout passes its input through), for `Evaluator`;
+        # layers: the fused layers' calls prepared for the step by hand (`_lenet_step`, which needs them)
         self.p, self.s, self.gens, self.x_all, self.native = params, step, gens, x_all, native
-        self.x_split, self.training = x_split, training
+        self.x_split, self.training, self.layers = x_split, training, layers
         self.k, self.b = step.rows.shape
 
     # inputs -------------------------------------------------------------------------------------
@@ -182,13 +183,12 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
         gx = gx if relu is None else torch.ops.aten.threshold_backward(gx, relu, 0)
         return gx, None if sgd is not None and sgd(name, x, g) else x.transpose(1, 2).bmm(g)
 
-    p, k, b, st = z.p, z.k, z.b, z.s
-    # client-major layouts between the two fused layers (no autograd sits between them here): the second layer
-    # copies its input row by row, the first layer's backward reads its gradient as whole vectors
-    h1, saved1 = kernels.conv_pool_fwd(z.x_all, st.rows, p["conv1.weight"].flatten(0, 1),
-                                       p["conv1.bias"].reshape(-1), z.native, z.x_split, client_major=True)
-    h2, saved2 = kernels.conv2_pool_fwd(h1, p["conv2.weight"].flatten(0, 1), p["conv2.bias"].reshape(-1), k, z.native,
-                                        client_major=True)
+    p, k, b, st, layers = z.p, z.k, z.b, z.s, z.layers
+    # the two fused layers, prepared once per `Group.train` (`kernels.LeNetLayers`: `conv_pool_fwd` and
+    # `conv2_pool_fwd` with client-major layouts between them, no autograd sits between them here: the second
+    # layer copies its input row by row, the first layer's backward reads its gradient as whole vectors)
+    layers.fwd1(st.rows, k)
+    h2 = layers.fwd2(k)
     w1, w2, w3 = p["fc1.weight"], p["fc2.weight"], p["fc3.weight"]   # held transposed: [K, in, out]
     r1 = torch.relu(torch.baddbmm(p["fc1.bias"].unsqueeze(1), h2, w1))
     r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
@@ -213,11 +213,9 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     grads["fc1.bias"] = g.sum(1)
     gin, grads["fc1.weight"] = back("fc1.weight", h2, g, w1, None)
     done("fc1.bias", "fc1.weight")
-    gh, gw2, gb2 = kernels.conv2_pool_bwd(saved2, gin)   # reads conv2's weight: its update after this
-    grads |= {"conv2.weight": gw2.view(p["conv2.weight"].shape), "conv2.bias": gb2.view(k, -1)}
+    _, grads["conv2.weight"], grads["conv2.bias"] = layers.bwd2(gin, k)   # reads conv2's weight: its update after
     done("conv2.weight", "conv2.bias")
-    gw1, gb1 = kernels.conv_pool_bwd(saved1, gh)
-    grads |= {"conv1.weight": gw1.view(p["conv1.weight"].shape), "conv1.bias": gb1.view(k, -1)}
+    grads["conv1.weight"], grads["conv1.bias"] = layers.bwd1(k)
     done("conv1.weight", "conv1.bias")
     return loss, grads
 
@@ -483,7 +481,7 @@ class Group:
         def sgd(n: str, x: torch.Tensor, g: torch.Tensor) -> bool:   # plain SGD: a linear weight's gradient and
             return kernels.fc_sgd(x, g, live[n], neg_lr[0], self.native)   # step in one pass, where exact
 
-        live_k = None
+        live_k, layers = None, None
         in_step = self.by_hand and (plain_sgd or fused)   # the step by hand updates as it goes (`apply`)
         for step in self._steps(tasks, plans, data):
             k = step.k
@@ -491,7 +489,11 @@ class Group:
             if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
                 if k != live_k:   # the active clients' views, made again only when a client has finished
                     live, live_k = {n: p[:k] for n, p in params.items()}, k
-                z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split)
+                if layers is None:   # the fused layers' calls, prepared once (all clients' parameter stacks)
+                    layers = kernels.LeNetLayers(self.native, self.x_all, self.x_split, params["conv1.weight"],
+                                                 params["conv1.bias"], params["conv2.weight"], params["conv2.bias"],
+                                                 step.rows.shape[1])
+                z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split, layers=layers)
                 loss, by_name = _lenet_step(z, apply if in_step else None, sgd if in_step and plain_sgd else None)
                 grads = tuple(by_name[n] for n in live)   # (not read where the step updated in_step)
             else:
