@@ -153,3 +153,15 @@ def test_jobs_that_cannot_be_merged_run_on_their_own_and_say_why(tmp_path, cpu_o
     assert EXECUTORS[0] == "lockstep"
     with pytest.raises(ValueError, match="unknown sweep executor"):
         run_sweep(many, executor="nope")
+
+
+def test_lockstep_evaluates_at_most_one_run_per_cpu_of_the_process(monkeypatch) -> None:
+    """The runs of a lockstep group evaluate outside their turns, at most one per CPU the process may use at once:
+    its affinity, or in a Ray task the CPUs Ray gave it (`batched.cpus`, as `--slices auto`), not the machine's."""
+    from coordinator.sim import lockstep
+    monkeypatch.setattr(lockstep, "cpus", lambda: 3)
+    group = lockstep.Lockstep(runs=1)
+    try:
+        assert [group.eval_slots.acquire(blocking=False) for _ in range(4)] == [True, True, True, False]
+    finally:
+        group.owner.shutdown()

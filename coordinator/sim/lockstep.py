@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +55,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from coordinator.sim.batched import BatchedEngine, Group, auto_device, batch_independent
+from coordinator.sim.batched import BatchedEngine, Group, auto_device, batch_independent, cpus
 from coordinator.sim.kernels import fused_update
 from coordinator.strategies import STRATEGIES
 from edge_client import logs
@@ -204,7 +203,8 @@ class Lockstep:
         self.labels: set[str] = set()             # what the runs' proxies say they are (must match the engine)
         self.failed: BaseException | None = None
         self.rounds = 0
-        self.eval_slots = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))   # evaluations at once
+        # evaluations at once: one per CPU this process may use (its affinity; in a Ray task, the CPUs Ray gave it)
+        self.eval_slots = threading.BoundedSemaphore(cpus())
 
     def evaluating(self, evaluate: Callable[[torch.Tensor], tuple[float, float]]):
         """`evaluate`, run outside this run's turn: the other runs take theirs meanwhile (their evaluations, at
