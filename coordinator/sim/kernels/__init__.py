@@ -379,7 +379,7 @@ def conv2_pool_fwd(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
     hl = h if client_major else h.permute(0, 2, 3, 1).contiguous()  # [K, B, H, W, Cin] or [B, H, W, K·Cin]
     w, bias = w.contiguous(), bias.contiguous()
     y = torch.empty((k, b, o * hp * wp), dtype=w.dtype)
-    arg = torch.empty((k, b, o, hp, wp), dtype=torch.uint8)
+    arg = torch.empty((k, b, hp, wp, o), dtype=torch.uint8)   # a window's O indices contiguous
     _ok(_entry(lib, "conv2_pool_fwd", w.dtype)(_ptr(hl), _ptr(w), _ptr(bias), _ptr(y), _ptr(arg),
                                               b, hh, wd, k, cin, o, r, s, int(client_major)))
     return y, ((hl, w, arg), ((b, hh, wd, k, cin, o, r, s, int(client_major)), lib))
@@ -468,7 +468,7 @@ class LeNetLayers:
         self.y1 = torch.empty((kk, batch, hp, wp, o1), dtype=dt)
         self.arg1 = _padded((kk, batch, o1, hp, wp), torch.uint8)
         self.y2 = torch.empty((kk, batch, o2 * hp2 * wp2), dtype=dt)
-        self.arg2 = torch.empty((kk, batch, o2, hp2, wp2), dtype=torch.uint8)
+        self.arg2 = torch.empty((kk, batch, hp2, wp2, o2), dtype=torch.uint8)
         self.gh = _padded((kk, batch, o1, hp, wp), dt)
         self.gw1, self.gb1 = torch.empty_like(w1), torch.empty_like(b1)
         self.gw2, self.gb2 = torch.empty_like(w2), torch.empty_like(b2)

@@ -393,7 +393,8 @@ void with_block(int64_t O, F f) {
 //   w    [K*O, CIN, R, S], bias [K*O]
 //   y    [K, B, O, Hp, Wp]   output in row layout: y[k, b] is client k's `flatten(1)` of its pooled map,
 //                            what the fully connected layers read
-//   arg  [K, B, O, Hp, Wp]   uint8 window index, 4 where relu passes no gradient (as above)
+//   arg  [K, B, Hp, Wp, O]   uint8 window index, 4 where relu passes no gradient (as above); a window's O indices
+//                            are contiguous: the backward reads them as one vector
 // Backward: gh [B, H, W, K*CIN] (every element written), gw, gb. Only 1 of the 4 conv outputs of a
 // window receives a gradient, so the backward visits routed outputs only: 1/4 of the dense
 // convolution backward's multiply-adds, for the input gradient and the weight gradient alike.
@@ -492,13 +493,48 @@ void inner_forward(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, co
             for (int v = 0; v < OV; ++v) {
               vec m;
               const auto a = pool_relu<T>(acc[jj][0][v], acc[jj][1][v], acc[jj][2][v], acc[jj][3][v], m);
-              for (int l = 0; l < L && v * L + l < s.O; ++l) {
-                yk[(v * L + l) * plane + i * s.Wp + j] = m[l];
-                ak[(v * L + l) * plane + i * s.Wp + j] = static_cast<uint8_t>(a[l]);
+              for (int l = 0; l < L && v * L + l < s.O; ++l) yk[(v * L + l) * plane + i * s.Wp + j] = m[l];
+              uint8_t* aw = ak + (i * s.Wp + j) * s.O + v * L;   // the window's indices: contiguous
+              if ((v + 1) * L <= s.O) {
+                const auto a8 = narrow<L>(a);
+                std::memcpy(aw, &a8, L);
+              } else {
+                for (int l = 0; v * L + l < s.O; ++l) aw[l] = static_cast<uint8_t>(a[l]);
               }
             }
           }
         }
+    }
+  }
+}
+
+// Which of a window's n (<= 32) output channels are routed to each window position p = 0..3: bit o of bits[p] is
+// set where a[o] == p. The indices compared 16 at a time as one vector, each comparison's 0/1 bytes packed into bits
+// by a multiply (8 bytes at a time: byte i's bit lands on bit 56 + i).
+inline void routed_bits(const uint8_t* a, int64_t n, uint32_t bits[4]) {
+  typedef uint8_t b16 __attribute__((vector_size(16)));
+  for (int p = 0; p < 4; ++p) bits[p] = 0;
+  for (int64_t o0 = 0; o0 < n; o0 += 16) {
+    b16 v;
+    if (n - o0 >= 16) {
+      std::memcpy(&v, a + o0, 16);
+    } else {
+      v = b16{} + 4;   // channels past n: routed nowhere
+      std::memcpy(&v, a + o0, n - o0);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const b16 hit = (v == static_cast<uint8_t>(p)) & 1;
+      uint64_t w[2];
+      std::memcpy(w, &hit, 16);
+      uint32_t m = 0;
+      for (int h = 0; h < 2; ++h) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        m |= static_cast<uint32_t>((w[h] * 0x0102040810204080ull) >> 56) << (8 * h);
+#else
+        for (int i = 0; i < 8; ++i) m |= static_cast<uint32_t>(hit[8 * h + i]) << (8 * h + i);
+#endif
+      }
+      bits[p] |= m << o0;
     }
   }
 }
@@ -512,7 +548,7 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
   const int64_t plane = s.Hp * s.Wp;
   std::vector<T> xk(s.H * s.XS), dxk(s.H * s.XS), db(s.O);
   std::vector<vec> wrow(s.O * R2 * RV), dw(s.O * R2 * RV);  // [o][r][v]: lanes = (q, ci), 0-padded
-  std::vector<uint8_t> routed(plane * 5 * s.O), routed_n(plane * 5);  // [window][position][...], counts
+  std::vector<uint32_t> routed(plane * 4);  // [window][position]: the output channels routed there, bit o
   for (int64_t k = 0; k < s.K; ++k) {
     T* wl = reinterpret_cast<T*>(wrow.data());
     for (int64_t o = 0; o < s.O; ++o)
@@ -527,30 +563,23 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
       std::memset(dxk.data(), 0, sizeof(T) * s.H * s.XS);
       const T* gk = gy + (k * s.B + b) * s.O * plane;
       const uint8_t* ak = arg + (k * s.B + b) * s.O * plane;
-      // Per window and position (4 = no gradient), the output channels routed there: appended without
-      // branches (a per-output branch on the saved position mispredicts ~1 time in 3; measured).
-      for (int64_t at = 0; at < plane; ++at) {
-        uint8_t* n = routed_n.data() + at * 5;
-        std::memset(n, 0, 5);
-        for (int64_t o = 0; o < s.O; ++o) {
-          const uint8_t a = ak[o * plane + at];
-          routed[(at * 5 + a) * s.O + n[a]++] = static_cast<uint8_t>(o);
-        }
-      }
+      // Per window and position, the output channels routed there, as bits: the window's indices compared as
+      // one vector (a per-output branch on the saved position mispredicted ~1 time in 3; appending each output
+      // to its position's list without branches was ~10 % of this backward, its counters a chain through memory)
+      for (int64_t at = 0; at < plane; ++at) routed_bits(ak + at * s.O, s.O, routed.data() + at * 4);
       for (int64_t x0 = 0; x0 < 2 * s.Wp; ++x0)
         for (int64_t y0 = 0; y0 < 2 * s.Hp; ++y0) {  // conv output (y0, x0): window (y0/2, x0/2), position p
           const int64_t at = (y0 / 2) * s.Wp + x0 / 2, p = (y0 % 2) * 2 + x0 % 2;
-          const int n = routed_n[at * 5 + p];
-          if (n == 0) continue;
-          const uint8_t* os = routed.data() + (at * 5 + p) * s.O;
+          const uint32_t os = routed[at * 4 + p];
+          if (os == 0) continue;
           const T* xb = xk.data() + y0 * s.XS + x0 * CIN2;
           T* db0 = dxk.data() + y0 * s.XS + x0 * CIN2;
           // rows r0..r0+NR-1 (NR a compile-time count); each element's sum runs over t in the same order
           auto rows = [&](int r0, auto nr_c) {
             constexpr int NR = decltype(nr_c)::value;
             vec acc[NR][RV] = {};
-            for (int t = 0; t < n; ++t) {
-              const int64_t o = os[t];
+            for (uint32_t m = os; m; m &= m - 1) {   // the routed channels in increasing order
+              const int64_t o = __builtin_ctz(m);
               const T g = gk[o * plane + at];
               if (r0 == 0) db[o] += g;
               const vec* wr = wrow.data() + (o * R2 + r0) * RV;
