@@ -288,3 +288,48 @@ def test_jobs_run_trial_by_trial(tmp_path):
     names = [j.out.name for j in jobs]
     assert len(names) == 8 and [n.rsplit("-s", 1)[1] for n in names] == ["0"] * 4 + ["1"] * 4
     assert [n.split("-tau")[1].split("-")[0] for n in names[:4]] == ["3", "3", "5", "5"]
+
+
+class _Stop(BaseException):   # not an Exception: cli.main lets it through (it turns those into error lines)
+    pass
+
+
+@pytest.mark.parametrize("name", ["mimic-table3", "fdms-fig1", "fedlaavg-fig8", "feddd-virtual-clock"])
+def test_sim_device_reaches_every_run_and_the_command(name, tmp_path):
+    """`--sim-device` is every run's `train.device` (auto by default) and, where not auto, part of the command the
+    results files record."""
+    from coordinator.cli import reproduce
+    from coordinator.sim import sweep
+
+    seen: list[set[str]] = []
+
+    def spy(jobs, executor, **kw):
+        seen.append({j.cfg.train.device for j in jobs})
+        raise _Stop
+
+    for device in ("auto", "cpu"):
+        args = ["reproduce", name, "--quick", "--engine", "loop", "--no-progress", "--executor", "serial",
+                "--out", str(tmp_path / device), "--results", str(tmp_path / "res")]
+        args += [] if device == "auto" else ["--sim-device", device]
+        with pytest.MonkeyPatch.context() as mp:
+            cache_dataset_loads(mp)
+            mp.setattr(sweep, "run_sweep", spy)
+            with pytest.raises(_Stop):
+                cli.main(args)
+    assert seen == [{"auto"}, {"cpu"}]
+    parsed = cli.build_parser().parse_args(["reproduce", name, "--sim-device", "cpu"])
+    assert "--sim-device cpu" in reproduce._command(parsed)
+    assert "--sim-device" not in reproduce._command(cli.build_parser().parse_args(["reproduce", name]))
+
+
+def test_sim_device_cuda_without_a_gpu_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "runs"
+    assert cli.main(["reproduce", "mimic-table3", "--quick", "--sim-device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dropfl: error: --sim-device cuda:") and len(err.strip().splitlines()) == 1
+    assert cli.main(["reproduce", "mimic-table3", "--quick", "--sim-device", "cuda", "--engine", "loop",
+                     "--out", str(out)]) == 2
+    assert "--engine loop trains on the CPU" in capsys.readouterr().err
+    assert not out.exists()

@@ -96,6 +96,10 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", default="batched",
                    help="simulation engine (TrainConfig.engine; default batched, the fast exact engine; "
                         "loop is the per-client reference)")
+    p.add_argument("--sim-device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the batched engine trains every run (TrainConfig.device; default auto: the CPU for "
+                        "the LeNets, a GPU for the other models where there is one; cpu: on the CPU, as the "
+                        "committed results were trained; docs/engine.md)")
     p.add_argument("--eval-every", type=int, default=None,
                    help="evaluate every n rounds and at the last (default 1; fedlaavg-fig8 20, as its code)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -146,6 +150,12 @@ def _check(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
     if args.target is not None and not 0 < args.target <= 1:
         raise UserError(f"--target must be in (0, 1] (got {args.target})")
+    if args.sim_device == "cuda":
+        if args.engine != "batched":
+            raise UserError(f"--sim-device cuda trains the batched engine on the GPU; --engine {args.engine} trains on "
+                            f"the CPU: use --engine batched, or --sim-device auto or cpu")
+        from coordinator.sim.run import check_device
+        check_device("cuda")
     for flag, path in (("--results", args.results), ("--out", args.out)):
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise UserError(f"{flag} {path} is a file, not a directory; choose a directory")
@@ -154,9 +164,9 @@ def _check(args: argparse.Namespace) -> None:
 def _command(args: argparse.Namespace) -> str:
     """The command line that gives these results (the options that change them), for the results files."""
     words = ["dropfl", "reproduce", args.experiment] + (["--quick"] if args.quick else [])
-    for key in ("trials", "rounds", "eval_every", "alphas", "settings", "target", "clients", "engine"):
+    for key in ("trials", "rounds", "eval_every", "alphas", "settings", "target", "clients", "engine", "sim_device"):
         v = getattr(args, key)
-        if v is None or (key == "engine" and v == "batched"):
+        if v is None or (key == "engine" and v == "batched") or (key == "sim_device" and v == "auto"):
             continue
         if key == "alphas":
             v = ",".join(map(str, v))
@@ -204,7 +214,8 @@ def _mimic(args, trials: int, root: Path, results_dir: Path, progress: bool) -> 
     taus = args.taus or ([3] if args.quick else [20, 50, 100])
     methods = args.methods or list(METHODS)
     q = args.quick
-    setup = Setup(rounds=args.rounds or (2 if q else 200), engine=args.engine, tau_dist=args.tau_dist or "uniform",
+    setup = Setup(rounds=args.rounds or (2 if q else 200), engine=args.engine, device=args.sim_device,
+                  tau_dist=args.tau_dist or "uniform",
                   eval_every=args.eval_every or 1, threads=args.threads,
                   clients=args.clients or (6 if q else 30), epochs=args.epochs or 5,
                   steps=args.steps or (2 if q else None), model=args.model or ("logreg" if q else "mimic-cnn"),

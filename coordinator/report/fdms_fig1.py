@@ -35,7 +35,7 @@ def build(opts, method: str, alpha: float | None, trial: int, out: Path) -> conf
     t = cfg.train
     t.lr, t.lr_decay, t.batch_size, t.epochs = 0.1, 1.0, 5, 2            # η_L 0.1 constant, BS 5, E = 2 epochs
     t.steps = 2 if opts.quick else None
-    t.engine = opts.engine
+    t.engine, t.device = opts.engine, opts.sim_device
     a = cfg.availability
     if method == "Full":
         a.kind = "always"

@@ -44,7 +44,7 @@ def build(opts, root: Path, method: str, trial: int, out: Path) -> config.SimCon
     t = cfg.train
     t.lr, t.lr_decay, t.batch_size, t.epochs = 0.1, 1.0, 32, 1
     t.steps = 2 if opts.quick else None
-    t.engine = opts.engine
+    t.engine, t.device = opts.engine, opts.sim_device
     s = cfg.strategy
     s.algo = METHODS[method]
     s.feddd_d_max, s.feddd_a_server, s.feddd_delta, s.feddd_full_every = 0.8, 0.6, 0.0, 5

@@ -45,7 +45,7 @@ def build(opts, method: str, half: int, d: int, trial: int, out: Path) -> config
     cfg.model.model = "logreg"                                       # Linear(784, 10), 7,850 parameters
     t = cfg.train
     t.lr, t.lr_decay, t.batch_size, t.steps = 0.01, 1.0, 5, c        # γ = 0.01 constant, batch 5, C steps
-    t.engine = opts.engine
+    t.engine, t.device = opts.engine, opts.sim_device
     a = cfg.availability
     a.kind, a.half_period, a.diurnal_d, a.first_round_all = "diurnal", half, d, False
     s = cfg.strategy

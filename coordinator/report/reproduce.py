@@ -44,6 +44,7 @@ class Setup:
 
     rounds: int = 200
     engine: str = "batched"
+    device: str = "auto"        # --sim-device (TrainConfig.device)
     tau_dist: str = "uniform"   # paper; "halfnormal" = the released code's τ_i (mimic.md §1.3)
     eval_every: int = 1
     threads: int | None = None
@@ -65,7 +66,7 @@ def sim_config(setup: Setup, method: str, tau: int, trial: int, out: Path) -> co
     cfg.model.model = setup.model                                        # MimiC FMNIST CNN (44,426 parameters)
     cfg.train.lr, cfg.train.lr_decay, cfg.train.lr_min = 0.01, 0.95, 1e-5  # lr_t = max(0.01·0.95^t, 1e-5)
     cfg.train.batch_size, cfg.train.epochs, cfg.train.steps = 16, setup.epochs, setup.steps  # B = 16, 5 epochs
-    cfg.train.engine = setup.engine
+    cfg.train.engine, cfg.train.device = setup.engine, setup.device
     a = cfg.availability
     a.kind, a.tau_max, a.tau_dist, a.min_active, a.first_round_all = "bounded", tau, setup.tau_dist, 2, True
     cfg.strategy.algo = METHODS[method]                                  # paper defaults of every strategy
