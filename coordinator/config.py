@@ -375,6 +375,13 @@ def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
     return cfg
 
 
+def cuda_needs_batched(engine: str) -> str:
+    """The error of --sim-device cuda with an engine that trains on the CPU (`validate`; `dropfl reproduce` checks
+    it before any run starts)."""
+    return (f"--sim-device cuda trains the batched engine on the GPU; --engine {engine} trains on the CPU: use "
+            f"--engine batched, or --sim-device auto or cpu")
+
+
 def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = None) -> None:
     """Every field against its type, range and choices (`check_value`), then the rules that join fields;
     models and datasets check the rest when built. `sources`: "section.field" → "in FILE" / "from --flag",
@@ -402,9 +409,7 @@ def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = 
         (cfg.availability.kind != "replay" or cfg.availability.trace, "--trace is required with --availability replay"),
         (cfg.availability.kind != "device-trace" or cfg.availability.device_trace,
          "--device-trace is required with --availability device-trace"),
-        (t.device != "cuda" or t.engine == "batched",
-         f"--sim-device cuda trains the batched engine on the GPU; --engine {t.engine} trains on the CPU: use "
-         f"--engine batched, or --sim-device auto or cpu"),
+        (t.device != "cuda" or t.engine == "batched", cuda_needs_batched(t.engine)),
         (cfg.strategy.mifa_storage == "raw" or cfg.strategy.units == "delta",
          f"strategy.mifa_storage {cfg.strategy.mifa_storage} needs strategy.units delta (gradient units already "
          f"divide by the lr) {got('strategy.units', cfg.strategy.units)}: use --units delta or --mifa-storage raw"),

@@ -290,8 +290,9 @@ def test_jobs_run_trial_by_trial(tmp_path):
     assert [n.split("-tau")[1].split("-")[0] for n in names[:4]] == ["3", "3", "5", "5"]
 
 
-class _Stop(BaseException):   # not an Exception: cli.main lets it through (it turns those into error lines)
-    pass
+class _Stop(BaseException):
+    """Raised by the sweep spy to end the command once the jobs are seen; not an Exception, so cli.main (which turns
+    those into error lines) lets it through."""
 
 
 @pytest.mark.parametrize("name", ["mimic-table3", "fdms-fig1", "fedlaavg-fig8", "feddd-virtual-clock"])

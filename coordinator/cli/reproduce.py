@@ -152,8 +152,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--target must be in (0, 1] (got {args.target})")
     if args.sim_device == "cuda":
         if args.engine != "batched":
-            raise UserError(f"--sim-device cuda trains the batched engine on the GPU; --engine {args.engine} trains on "
-                            f"the CPU: use --engine batched, or --sim-device auto or cpu")
+            from coordinator.config import cuda_needs_batched
+            raise UserError(cuda_needs_batched(args.engine))
         from coordinator.sim.run import check_device
         check_device("cuda")
     for flag, path in (("--results", args.results), ("--out", args.out)):

@@ -239,6 +239,12 @@ def _check_dtypes(name: str, *ts: torch.Tensor) -> None:
         raise TypeError(f"{name}: dtypes {[str(t.dtype) for t in ts]}: need one dtype, float32 or float64")
 
 
+def _check_indices(name: str, rows: torch.Tensor, n: int) -> None:
+    """The first-layer kernel reads image rows[k, b] unchecked: the indices must be int64 and in 0..n-1."""
+    if rows.dtype != torch.int64 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n)):
+        raise IndexError(f"{name}: rows must be int64 indices into the {n} images")
+
+
 def split_images(x: torch.Tensor, kernel_width: int, variant: str | None = None) -> torch.Tensor:
     """Images [N, Cin, H, W] as the first-layer kernel reads them: each row's even and odd columns apart,
     zero-padded to a width that depends on the variant's vector width, [N, Cin·H·2·PW] (same dtype).
@@ -273,9 +279,7 @@ def conv_pool_fwd(x_all: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, bias
     _check_dtypes("conv_pool_relu", x_all, w, bias)
     k, b = rows.shape
     _, cin, h, wd = x_all.shape
-    # the kernel reads image rows[k, b] unchecked: indices must be int64 and in range
-    if rows.dtype != torch.int64 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= len(x_all))):
-        raise IndexError(f"conv_pool_relu: rows must be int64 indices into the {len(x_all)} images")
+    _check_indices("conv_pool_relu", rows, len(x_all))
     o, r, s = w.shape[0] // k, w.shape[2], w.shape[3]
     hp, wp = (h - r + 1) // 2, (wd - s + 1) // 2
     if x_split is None:   # split only the step's images; row i of the split is rows.flatten()[i]
@@ -481,8 +485,7 @@ class LeNetLayers:
         table = rows._base if rows._base is not None else rows
         if table is self._checked:
             return
-        if table.dtype != torch.int64 or (table.numel() and (int(table.min()) < 0 or int(table.max()) >= self.n_all)):
-            raise IndexError(f"LeNetLayers: rows must be int64 indices into the {self.n_all} images")
+        _check_indices("LeNetLayers", table, self.n_all)
         self._checked = table
 
     def views(self, k: int) -> tuple[torch.Tensor, ...]:
