@@ -94,7 +94,8 @@ def test_the_source_cross_compiles_for_aarch64(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     nm = shutil.which("aarch64-linux-gnu-nm") or shutil.which("nm")
     symbols = subprocess.run([nm, "--defined-only", str(obj)], capture_output=True, text=True).stdout
-    for name in ("conv_pool_fwd", "conv_pool_bwd", "conv2_pool_fwd", "conv2_pool_bwd", "fc_sgd", "sgd_update"):
+    for name in ("conv_pool_fwd", "conv_pool_fwd_lanes", "conv_pool_bwd", "conv2_pool_fwd", "conv2_pool_bwd", "fc_sgd",
+                 "sgd_update"):
         for suffix in ("f32", "f64"):
             assert f"dropfl_{name}_{suffix}" in symbols
 
@@ -114,7 +115,8 @@ def _raw_inputs() -> list[torch.Tensor]:
 
 def _raw_outputs(variant: str, ins: list[torch.Tensor]) -> bytes:
     """What the driver writes, computed by this machine's `variant` library through ctypes: both layers in the
-    engine's layouts, then in the client-major ones (layout = 1, the same buffers read as [K, B, ...] tensors)."""
+    engine's layouts, then in the client-major ones (layout = 1, the same buffers read as [K, B, ...] tensors), then
+    the first layer's forward with the samples in the lanes (client-major)."""
     lib = kernels.load(variant)
     dims, x, rows, w, bias, gy, dims2, h, w2, b2, gy2 = ins
     n, b, hh, ww, k, cin, o = dims.tolist()
@@ -139,6 +141,10 @@ def _raw_outputs(variant: str, ins: list[torch.Tensor]) -> bytes:
                                              gh.data_ptr(), gw2.data_ptr(), gb2.data_ptr(), b, h2, ww2, k, 6, o2, 5, 5,
                                              layout) == 0
         out += [y, arg[:-64], gw, gb, y2, arg2, gh[:h.numel()], gw2, gb2]
+    y = torch.empty(b * ((hh - 4) // 2) * ((ww - 4) // 2) * k * o)
+    arg = torch.empty(y.numel(), dtype=torch.uint8)
+    lib.dropfl_conv_pool_fwd_lanes_f32(*[t.data_ptr() for t in (x, rows, w, bias, y, arg)], b, hh, ww, k, cin, o, 5, 5)
+    out += [y, arg]
     return b"".join(t.numpy().tobytes() for t in out)
 
 
@@ -500,14 +506,17 @@ def test_client_major_layouts_give_the_same_bits(cin: int, side: int, o: int, dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("cin,side", [(1, 28), (3, 32)])
-def test_prepared_layers_give_the_functions_bits(cin: int, side: int, dtype: torch.dtype, variant: str) -> None:
+@pytest.mark.parametrize("cin,side,b", [(1, 28, 5), (3, 32, 5), (1, 28, 37)])
+def test_prepared_layers_give_the_functions_bits(cin: int, side: int, b: int, dtype: torch.dtype,
+                                                 variant: str) -> None:
     """`LeNetLayers` (the step by hand's calls, prepared once) computes what `conv_pool_fwd`, `conv2_pool_fwd`,
     `conv2_pool_bwd` and `conv_pool_bwd` compute in client-major layouts, bit for bit, step after step in its reused
     buffers, with all clients and with a prefix of them (clients that have finished); it refuses rows out of range
-    and shapes it was not made for."""
+    and shapes it was not made for. Its first layer's forward is another kernel (`forward_lanes`: a client's samples
+    in the vector lanes, from the images themselves): its outputs and window indices are compared directly, with
+    batches of fewer samples than lanes (5) and of several lane groups and a partial one (37)."""
     g = torch.Generator().manual_seed(5)
-    k, b, n, o = 4, 5, 30, 6
+    k, n, o = 4, 30, 6
     x_all = torch.randn(n, cin, side, side, generator=g, dtype=dtype)
     xs = kernels.split_images(x_all, 5, variant)
     w1 = torch.randn(k, o, cin, 5, 5, generator=g, dtype=dtype) * 0.3
@@ -525,6 +534,7 @@ def test_prepared_layers_give_the_functions_bits(cin: int, side: int, dtype: tor
         gh, gw2, gb2 = kernels.conv2_pool_bwd(s2, gy)
         gw1, gb1 = kernels.conv_pool_bwd(s1, gh)
         assert torch.equal(layers.fwd1(rows, kk), y1)
+        assert torch.equal(layers.arg1[:kk], s1[0][2])   # the window indices the backward reads
         assert torch.equal(layers.fwd2(kk), y2)
         got_gh, got_gw2, got_gb2 = layers.bwd2(gy, kk)
         assert torch.equal(got_gh, gh) and torch.equal(got_gw2, gw2.view(kk, 16, o, 5, 5))

@@ -5,7 +5,8 @@
 //        bias[K*O], gy[B*Hp*Wp*K*O]; int64 H2, W2, O2; float h[B*H2*W2*K*6], w2[K*O2*150], b2[K*O2],
 //        gy2[K*B*O2*Hp2*Wp2]
 //   out: y, arg (uint8), gw, gb of the first layer; y2, arg2 (uint8), gh, gw2, gb2 of the second; then the same
-//        again in the client-major layouts (layout = 1: the same buffers read as [K, B, ...] tensors)
+//        again in the client-major layouts (layout = 1: the same buffers read as [K, B, ...] tensors); then y, arg
+//        of the first layer's forward with the samples in the lanes (`forward_lanes`, client-major)
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -16,6 +17,8 @@ int64_t dropfl_split_size_f32(int64_t, int64_t, int64_t, int64_t);
 void dropfl_split_images_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
 void dropfl_conv_pool_fwd_f32(const float*, const int64_t*, const float*, const float*, float*, uint8_t*, int64_t,
                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+void dropfl_conv_pool_fwd_lanes_f32(const float*, const int64_t*, const float*, const float*, float*, uint8_t*,
+                                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 void dropfl_conv_pool_bwd_f32(const float*, const int64_t*, const float*, const uint8_t*, float*, float*, int64_t,
                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 int dropfl_conv2_pool_fwd_f32(const float*, const float*, const float*, float*, uint8_t*, int64_t, int64_t, int64_t,
@@ -77,6 +80,11 @@ int main(int argc, char** argv) {
     put(out, y); put(out, arg); put(out, gw); put(out, gb);
     put(out, y2); put(out, arg2); put(out, gh); put(out, gw2); put(out, gb2);
   }
+  std::vector<float> y(B * Hp * Wp * K * O);
+  std::vector<uint8_t> arg(K * B * O * Hp * Wp);
+  dropfl_conv_pool_fwd_lanes_f32(x.data(), rows.data(), w.data(), bias.data(), y.data(), arg.data(), B, H, W, K, Cin,
+                                 O, 5, 5);
+  put(out, y); put(out, arg);
   std::fclose(out);
   return 0;
 }

@@ -171,6 +171,8 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                     fn.argtypes = [ptr] * pointers + [i64] * 9   # ..., R, S, layout
                     fn.restype = ctypes.c_int if name.startswith("conv2") else None
             for suffix in ("f32", "f64"):
+                fn = getattr(lib, f"dropfl_conv_pool_fwd_lanes_{suffix}")
+                fn.argtypes, fn.restype = [ptr] * 6 + [i64] * 8, None   # x, rows, w, bias, y, arg, B..S
                 fn = getattr(lib, f"dropfl_sgd_update_{suffix}")
                 fn.argtypes, fn.restype = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_double, i64, i64], None
                 fn = getattr(lib, f"dropfl_split_size_{suffix}")
@@ -453,7 +455,8 @@ class LeNetLayers:
         kk, o1, _, r, s = w1.shape
         o2 = w2.shape[1]
         if not (w1.is_contiguous() and b1.is_contiguous() and w2.is_contiguous() and b2.is_contiguous()
-                and x_split.is_contiguous() and w2.shape[2] == o1 and b1.shape == (kk, o1) and b2.shape == (kk, o2)
+                and x_all.is_contiguous() and x_split.is_contiguous() and w2.shape[2] == o1
+                and b1.shape == (kk, o1) and b2.shape == (kk, o2)
                 and inner_fits(o1, o2, tuple(w2.shape[3:]), dt)
                 and x_split.shape == (n_all, _entry(lib, "split_size", dt)(h, wd, cin, s))):
             raise ValueError(f"LeNetLayers: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, x_split "
@@ -464,10 +467,12 @@ class LeNetLayers:
         self.n_all, self.b, self.k_all = n_all, batch, kk
         self.dims1 = (batch, h, wd, cin, o1, r, s)       # conv_pool_fwd's dims but K (passed per call)
         self.dims2 = (batch, hp, wp, o1, o2, r2, s2)
-        self.fwd1_fn, self.bwd1_fn = _entry(lib, "conv_pool_fwd", dt), _entry(lib, "conv_pool_bwd", dt)
+        # the forward with a client's samples in the lanes (`forward_lanes`: the same bits as conv_pool_fwd's
+        # client-major forward, which reads the split images) reads the images themselves; the backward, the split
+        self.fwd1_fn, self.bwd1_fn = _entry(lib, "conv_pool_fwd_lanes", dt), _entry(lib, "conv_pool_bwd", dt)
         self.fwd2_fn, self.bwd2_fn = _entry(lib, "conv2_pool_fwd", dt), _entry(lib, "conv2_pool_bwd", dt)
-        self.tensors = (x_split, w1, b1, w2, b2)    # kept alive: their pointers below are used every step
-        self.xs, self.w1, self.b1, self.w2, self.b2 = (t.data_ptr() for t in self.tensors)
+        self.tensors = (x_all, x_split, w1, b1, w2, b2)    # kept alive: their pointers below are used every step
+        self.x, self.xs, self.w1, self.b1, self.w2, self.b2 = (t.data_ptr() for t in self.tensors)
         # every output for all K clients; a step of k clients uses the first k rows of each (contiguous prefixes)
         self.y1 = torch.empty((kk, batch, hp, wp, o1), dtype=dt)
         self.arg1 = _padded((kk, batch, o1, hp, wp), torch.uint8)
@@ -504,8 +509,8 @@ class LeNetLayers:
                              f"at most {self.k_all} clients")
         self._check_rows(rows)
         b, h, wd, cin, o, r, s = self.dims1
-        self.fwd1_fn(self.xs, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
-                     b, h, wd, k, cin, o, r, s, 1)
+        self.fwd1_fn(self.x, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
+                     b, h, wd, k, cin, o, r, s)
         self.rows = rows    # the backward reads the same rows
         return self.views(k)[0]
 

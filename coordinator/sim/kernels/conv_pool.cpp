@@ -371,6 +371,122 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
   }
 }
 
+// ---- First layer, forward, with a client's samples in the lanes (the step by hand's client-major layouts) ----------
+// The same sums as `forward` in the same order (the bias, then every tap ci, r, q as one multiply-add on each of the
+// window's 4 conv outputs) and the same max-pool and relu, so the same bits; but lane l of every vector is sample
+// b0 + l of a client's batch instead of one pooled column. Every lane carries work (a LeNet's 12 pooled columns
+// filled 12 of AVX-512's 16 float lanes) and every input is one aligned vector load (the column form's loads started
+// at every float offset, most of them split across two cache lines). The price is three transposes per group of L
+// samples, done in registers L×L at a time: the samples' images into xt [pixel][lane], and the pooled values and
+// window indices, staged as [element][lane], out to y [K, B, Hp, Wp, O] and arg [K, B, O, Hp, Wp] (the layouts
+// the second layer and `backward` read). Lanes past the batch compute on a copy of lane 0's image and are not stored.
+
+// L values of E as one vector (a class template: GCC ignores vector_size on a function template's dependent typedef).
+template <typename E, int L>
+struct Lanes_of {
+  typedef E type __attribute__((vector_size(L * sizeof(E))));
+};
+
+// Transposes L×L values in registers: v[r][c] → v[c][r]. log2(L) rounds, every index compile-time (the vectors
+// stay in registers); the round of distance D swaps, in every 2D × 2D block, the D × D block above the diagonal
+// with the one below it: one two-vector shuffle per row.
+template <typename VEC, int L, int D = L / 2>
+inline void transpose_block(VEC v[L]) {
+  if constexpr (D >= 1) {
+    typedef std::remove_reference_t<decltype(VEC{} < VEC{})> IV;   // the shuffles' index vector
+    IV lo, hi;
+    for (int l = 0; l < L; ++l) {
+      lo[l] = (l & D) ? L + l - D : l;   // upper row r: its own left half of the block, then row r+D's
+      hi[l] = (l & D) ? L + l : l + D;   // lower row r+D: row r's right half, then its own right half
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < L; ++r)
+      if (!(r & D)) {
+        const VEC a = v[r], b = v[r + D];
+        v[r] = __builtin_shuffle(a, b, lo);
+        v[r + D] = __builtin_shuffle(a, b, hi);
+      }
+    transpose_block<VEC, L, D / 2>(v);
+  }
+}
+
+// dst[l * ld + m] = src[m][l] for m < M, l < n: an [M][L] staging buffer out to n rows of a row-major matrix.
+template <typename E, int L>
+void transpose_out(const E* src, int64_t M, E* dst, int64_t ld, int64_t n) {
+  typedef typename Lanes_of<E, L>::type vec;
+  int64_t m = 0;
+  for (; m + L <= M; m += L) {
+    vec v[L];
+    std::memcpy(v, src + m * L, sizeof(v));
+    transpose_block<vec, L>(v);
+    for (int64_t l = 0; l < n; ++l) std::memcpy(dst + l * ld + m, &v[l], sizeof(vec));
+  }
+  for (; m < M; ++m)
+    for (int64_t l = 0; l < n; ++l) dst[l * ld + m] = src[m * L + l];
+}
+
+// dst[m][l] = img[l][m] for m < M: L images (rows of M values) into an [M][L] buffer.
+template <typename E, int L>
+void transpose_in(const E* const img[L], int64_t M, E* dst) {
+  typedef typename Lanes_of<E, L>::type vec;
+  int64_t m = 0;
+  for (; m + L <= M; m += L) {
+    vec v[L];
+    for (int l = 0; l < L; ++l) std::memcpy(&v[l], img[l] + m, sizeof(vec));
+    transpose_block<vec, L>(v);
+    std::memcpy(dst + m * L, v, sizeof(v));
+  }
+  for (; m < M; ++m)
+    for (int l = 0; l < L; ++l) dst[m * L + l] = img[l][m];
+}
+
+// x [N, Cin, H, W] the images themselves (not split); rows, w, bias as `forward`; y [K, B, Hp, Wp, O] and
+// arg [K, B, O, Hp, Wp] as `forward`'s client-major layouts. RS: the kernel's size when it is RS × RS, known at
+// compile time (the taps' loops unrolled: the LeNets' 5 × 5), or 0.
+template <typename T, int OB, int RS>
+void forward_lanes(const T* x, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg, const Shape& s) {
+  typedef typename V<T>::type vec;
+  constexpr int L = V<T>::L;
+  typedef typename Indices<L>::bytes bytes;
+  const int64_t pix = s.Cin * s.H * s.W, plane = s.Hp * s.Wp, my = plane * s.O;
+  const int64_t R = RS ? RS : s.R, S = RS ? RS : s.S;
+  std::vector<vec> xt(pix), yt(my);
+  std::vector<bytes> at(my);
+  for (int64_t k = 0; k < s.K; ++k) {
+    for (int64_t b0 = 0; b0 < s.B; b0 += L) {
+      const int64_t nb = s.B - b0 < L ? s.B - b0 : L;
+      const T* img[L];
+      for (int l = 0; l < L; ++l) img[l] = x + rows[k * s.B + b0 + (l < nb ? l : 0)] * pix;
+      transpose_in<T, L>(img, pix, reinterpret_cast<T*>(xt.data()));
+      for (int64_t i = 0; i < s.Hp; ++i)
+        for (int64_t j = 0; j < s.Wp; ++j)
+          for (int64_t o0 = 0; o0 < s.O; o0 += OB) {
+            const T* wk = w + (k * s.O + o0) * s.taps;
+            vec acc[4][OB];  // [window position][output channel of the block]
+            for (int o = 0; o < OB; ++o)
+              for (int p = 0; p < 4; ++p) acc[p][o] = vec{} + bias[k * s.O + o0 + o];
+            for (int64_t ci = 0; ci < s.Cin; ++ci)
+              for (int64_t r = 0; r < R; ++r)
+                for (int64_t q = 0; q < S; ++q) {
+                  // window position p = 2a + c: the conv output at (2i + a, 2j + c), whose tap reads (2i+a+r, 2j+c+q)
+                  const vec* x0 = xt.data() + (ci * s.H + 2 * i + r) * s.W + 2 * j + q;
+                  const vec xv[4] = {x0[0], x0[1], x0[s.W], x0[s.W + 1]};
+                  const T* wt = wk + (ci * R + r) * S + q;
+                  for (int o = 0; o < OB; ++o)
+                    for (int p = 0; p < 4; ++p) acc[p][o] += xv[p] * wt[o * s.taps];
+                }
+            for (int ob = 0; ob < OB; ++ob) {
+              const int64_t o = o0 + ob;
+              const auto a = pool_relu<T>(acc[0][ob], acc[1][ob], acc[2][ob], acc[3][ob], yt[(i * s.Wp + j) * s.O + o]);
+              at[(o * s.Hp + i) * s.Wp + j] = narrow<L>(a);
+            }
+          }
+      transpose_out<T, L>(reinterpret_cast<const T*>(yt.data()), my, y + (k * s.B + b0) * my, my, nb);
+      transpose_out<uint8_t, L>(reinterpret_cast<const uint8_t*>(at.data()), my, arg + (k * s.B + b0) * my, my, nb);
+    }
+  }
+}
+
 // Calls f(std::integral_constant<int, OB>) with the widest register block OB that divides O:
 // 6 (mimic-cnn, cifar-lenet), 5 (fdms-cnn's 10), ... 1; at most 2 with 16 vector registers.
 template <typename F>
@@ -790,6 +906,16 @@ extern "C" {
     Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                                     \
     s.cm = layout != 0;                                                                                    \
     with_block(O, [&](auto ob) { forward<T, decltype(ob)::value>(xs, rows, w, bias, y, arg, s); });     \
+  }                                                                                                        \
+  void dropfl_conv_pool_fwd_lanes_##suffix(const T* x, const int64_t* rows, const T* w, const T* bias, T* y,   \
+                                           uint8_t* arg, int64_t B, int64_t H, int64_t W, int64_t K,         \
+                                           int64_t Cin, int64_t O, int64_t R, int64_t S) {                  \
+    Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                                     \
+    s.cm = true;                                                                                           \
+    with_block(O, [&](auto ob) {                                                                           \
+      if (R == 5 && S == 5) forward_lanes<T, decltype(ob)::value, 5>(x, rows, w, bias, y, arg, s);         \
+      else forward_lanes<T, decltype(ob)::value, 0>(x, rows, w, bias, y, arg, s);                          \
+    });                                                                                                    \
   }                                                                                                        \
   void dropfl_conv_pool_bwd_##suffix(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg, \
                                      T* gw, T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin, \
