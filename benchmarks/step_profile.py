@@ -6,11 +6,14 @@ benchmark's workload, one worker's half) trains `--steps` steps `--calls` times 
 LeNet step by hand (`batched._lenet_step`) is timed where it runs:
 
   conv1 fwd / conv2 fwd / conv2 bwd / conv1 bwd   the four fused kernels (`kernels.LeNetLayers.fwd1` ...)
-  fc matmuls        the fully connected layers' batched matmuls (`torch.baddbmm`, `Tensor.bmm`: MKL), and with plain
+  fc matmuls        the fully connected layers: with plain SGD where exact, `kernels.FcLayers` (every layer's forward,
+                    backward and steps in native kernels with MKL's and ATen's bits); else their batched matmuls
+                    (`torch.baddbmm`, `Tensor.bmm`: MKL), and with plain
                     SGD fc1's and fc2's weight gradient and step in one pass (`kernels.fc_sgd`, which replaces two
                     of the matmuls and those weights' `add_`)
   loss and small ops  the rest of `_lenet_step`: log-softmax, NLL, relu's and the sums' ops, the wrappers
-  SGD update        each parameter's `add_` (inside the step by hand, once its gradient is final)
+  SGD update        each parameter's `add_` (inside the step by hand, once its gradient is final; the fully
+                    connected layers' steps are in `kernels.FcLayers`, under fc matmuls, where it runs)
   step loop         the rest of `Group.train`: batch rows, labels, Python, the start and the deltas
 
 Each part's FLOPs are torch's FlopCounterMode count of the reference model's step (the same count the FLOP
@@ -101,6 +104,8 @@ class Timers:
         self.wrap(torch, "baddbmm", "fc matmuls", keep="fc1 fwd (baddbmm)")
         self.wrap(torch.Tensor, "bmm", "fc matmuls")
         self.wrap(kernels, "fc_sgd", "fc matmuls")            # a weight's gradient and step in one pass
+        self.wrap(kernels.FcLayers, "forward", "fc matmuls", keep="fc forward (FcLayers)")   # the layers natively
+        self.wrap(kernels.FcLayers, "backward", "fc matmuls")
         self.wrap(batched, "_lenet_step", "lenet step")
         self.wrap(torch.Tensor, "add_", "SGD update")         # the step by hand's updates, inside it
         self.wrap(torch, "_foreach_add_", "update after")     # an update after the step (none expected here)
@@ -170,7 +175,8 @@ def main() -> None:
     ms["step loop"] = (total - ns["lenet step"]) / 1e6 / args.steps
     step_ms = total / 1e6 / args.steps
     alone_ms = {p: 1e3 * alone(kept[p]) for p in KERNELS}
-    alone_ms["fc1 fwd (baddbmm)"] = 1e3 * alone(kept["fc1 fwd (baddbmm)"])
+    fc_alone = "fc forward (FcLayers)" if "fc forward (FcLayers)" in kept else "fc1 fwd (baddbmm)"
+    alone_ms[fc_alone] = 1e3 * alone(kept[fc_alone])
     peak = peak_flops()   # torch runs 1 thread here: the 1-thread peak
     step_flops = sum(flops.values())
     rows = []
@@ -190,8 +196,9 @@ def main() -> None:
         "step_ms_at_65_percent": step_flops / (0.65 * peak) * 1e3,
         "parts": rows, "alone_ms": alone_ms,
         "notes": "ms per step, fastest of the timed calls; 'alone': the part's last call in the step repeated on "
-                 "the same operands (min of 50): hot caches. fc1 fwd (baddbmm) alone is fc1's forward, the largest "
-                 "of the matmuls. fc matmuls includes kernels.fc_sgd (fc1's and fc2's weight gradient and SGD step "
+                 "the same operands (min of 50): hot caches. fc forward (FcLayers) alone is the three layers' "
+                 "forward where the step runs them natively (else fc1 fwd (baddbmm): fc1's forward matmul, the "
+                 "largest). fc matmuls includes kernels.fc_sgd (fc1's and fc2's weight gradient and SGD step "
                  "in one pass).",
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -208,7 +215,7 @@ def main() -> None:
     for r in rows:
         md.append(f"| {r['part']} | {r['ms']:.3f} | {r['share']:.1%} | {fmt(r['mflop'], '.1f')} | "
                   f"{fmt(r['gflops'], '.0f')} | {fmt(r['of_peak'], '.0%')} | {fmt(r['alone_ms'], '.3f')} |")
-    md.append(f"\nfc1's forward matmul alone: {alone_ms['fc1 fwd (baddbmm)']:.3f} ms. {result['notes']}\n")
+    md.append(f"\n{fc_alone} alone: {alone_ms[fc_alone]:.3f} ms. {result['notes']}\n")
     (args.out / "step_profile.md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -142,11 +142,17 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
                      for c in range(len(sizes))]}
     from coordinator.sim import kernels
     one_pass: list[bool] = []   # what kernels.fc_sgd did, step by step (the weights it updated in one pass)
+    native_fc: list[bool] = []  # whether each Group.train ran the fully connected layers natively (FcLayers.make)
 
     def fc_sgd(*args, **kwargs) -> bool:
         one_pass.append(real(*args, **kwargs))
         return one_pass[-1]
-    real = kernels.fc_sgd
+
+    def make(*args, **kwargs):
+        made = real_make(*args, **kwargs)
+        native_fc.append(made is not None)
+        return made
+    real, real_make = kernels.fc_sgd, kernels.FcLayers.make
     for kind, tasks in rounds.items():
         out = {}
         for by_hand in (True, False):
@@ -155,14 +161,16 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
             group.by_hand = by_hand
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(kernels, "fc_sgd", fc_sgd)
+                mp.setattr(kernels.FcLayers, "make", staticmethod(make))
                 out[by_hand] = group.train(w, tasks)
         for a, b in zip(out[True], out[False]):
             assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
         if kind == "plain" and _mkl_x86() and dtype == torch.float32:
-            assert any(one_pass), "the one-pass weight step never ran where MKL's order is known (x86, MKL)"
+            assert any(native_fc), "the native fully connected layers never ran where MKL's order is known"
         if kind != "plain":
-            assert not one_pass, "the one-pass weight step is plain SGD's only"
+            assert not one_pass and not native_fc, "the one-pass weight step and native layers are plain SGD's only"
         one_pass.clear()
+        native_fc.clear()
 
 
 def _mkl_x86() -> bool:

@@ -431,6 +431,48 @@ def test_a_linear_weights_gradient_and_step_in_one_pass_give_the_torch_ops_bits(
         kernels.fc_sgd(x, g[:, :-1].contiguous(), w, -0.05, variant)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_native_fully_connected_layers_give_the_torch_ops_bits(variant: str, dtype: torch.dtype) -> None:
+    """`FcLayers` (the LeNet step by hand's fully connected layers with plain SGD: `fc_fwd`, `fc_bwd_sgd`): where
+    `make` returns it, its logits, its input gradient and every weight and bias after the steps are the bits of the
+    torch ops it replaces, layer by layer (baddbmm, relu; bmm, threshold_backward, sum, add_), step after step on
+    the first k clients. On x86 with MKL and FMA it is made for mimic-cnn's and cifar-lenet's layers at the batch
+    sizes of the papers' settings, so a change of an order fails here instead of quietly falling back."""
+    gen = torch.Generator().manual_seed(12)
+    as_int = torch.int32 if dtype == torch.float32 else torch.int64
+    for b, dims in [(16, (256, 120, 84, 10)), (10, (256, 120, 84, 10)), (32, (400, 120, 84, 10)),
+                    (5, (40, 33, 17, 3))]:
+        k_all = 4
+        ws = [0.1 * torch.randn(k_all, fin, fout, generator=gen, dtype=dtype) for fin, fout in zip(dims, dims[1:])]
+        bs = [0.1 * torch.randn(k_all, fout, generator=gen, dtype=dtype) for fout in dims[1:]]
+        want_ws, want_bs = [w.clone() for w in ws], [b_.clone() for b_ in bs]
+        fc = kernels.FcLayers.make(variant, ws, bs, b, -0.05)
+        exact = all(kernels.fc_layer_exact(variant, dtype, b, fin, fout) for fin, fout in zip(dims, dims[1:]))
+        assert (fc is not None) == exact
+        if _mkl_x86() and variant != "generic" and dtype == torch.float32 and dims[0] in (256, 400):
+            assert fc is not None, (b, dims)
+        if fc is None:
+            continue
+        for k in (4, 4, 2):
+            x = torch.relu(torch.randn(k, b, dims[0], generator=gen, dtype=dtype))
+            g = 0.1 * torch.randn(k, b, dims[-1], generator=gen, dtype=dtype)
+            ins = [x]   # the torch ops, layer by layer, on the first k clients
+            for i, (w, b_) in enumerate(zip(want_ws, want_bs)):
+                ins.append(kernels._torch_fc_fwd(ins[-1], w[:k], b_[:k], i < len(want_ws) - 1))
+            want_g = g
+            for i in range(len(want_ws) - 1, -1, -1):
+                wk, bk = want_ws[i][:k], want_bs[i][:k]
+                want_g = kernels._torch_fc_bwd_sgd(ins[i], want_g, wk, bk, ins[i] if i else None, -0.05)
+            logits = fc.forward(x, k)
+            assert torch.equal(logits.view(as_int), ins[-1].view(as_int))
+            gin = fc.backward(g, k)
+            assert torch.equal(gin.view(as_int), want_g.view(as_int))
+            for got, want in zip([*ws, *bs], [*want_ws, *want_bs]):
+                assert torch.equal(got.view(as_int), want.view(as_int))
+    with pytest.raises(ValueError, match="FcLayers"):
+        kernels.FcLayers(variant, ws, bs[:1] + bs[1:2] * 2, b, -0.05, [1, 1, 1])
+
+
 def _mkl_x86() -> bool:
     """x86 with torch's MKL: where `fc_sgd`'s order (each gradient element one FMA chain over the batch rows) is
     MKL's for these shapes, measured."""

@@ -156,8 +156,8 @@ def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
 
 
 def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = None,
-                sgd: Callable[[str, torch.Tensor, torch.Tensor], bool] | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+                sgd: Callable[[str, torch.Tensor, torch.Tensor], bool] | None = None,
+                fc: kernels.FcLayers | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """`_lenet`'s forward, the per-client loss and the gradients of every parameter, by hand, for the LeNets with
     both fused layers: the very aten ops, on the very operands, that `torch.autograd.grad(loss.sum(), params)`
     runs on `_lenet` (torch's derivative formulas for baddbmm, relu, log_softmax, nll_loss, mul, sum and div),
@@ -167,7 +167,9 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     no longer reads the parameter (its SGD update, while the gradient is still in cache: the same update on the
     same values as after the step). `sgd(name, x, g)`, if given (with `apply`, plain SGD), makes a fully connected
     weight's gradient xᵀ·g and its SGD step in one pass (`kernels.fc_sgd`) and says whether it did; that weight's
-    gradient is then None."""
+    gradient is then None. `fc` (with `apply` and `sgd`: plain SGD at one lr), where given, runs the fully connected
+    layers, their gradients and their steps as native kernels with those ops' bits (`kernels.FcLayers`): their
+    gradients are then None."""
     def done(*names: str) -> None:
         if apply is not None:
             for n in names:
@@ -190,9 +192,12 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     layers.fwd1(st.rows, k)
     h2 = layers.fwd2(k)
     w1, w2, w3 = p["fc1.weight"], p["fc2.weight"], p["fc3.weight"]   # held transposed: [K, in, out]
-    r1 = torch.relu(torch.baddbmm(p["fc1.bias"].unsqueeze(1), h2, w1))
-    r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
-    logits = torch.baddbmm(p["fc3.bias"].unsqueeze(1), r2, w3)
+    if fc is not None:   # baddbmm and relu, layer by layer, in one native call each (the same bits)
+        logits = fc.forward(h2, k)
+    else:
+        r1 = torch.relu(torch.baddbmm(p["fc1.bias"].unsqueeze(1), h2, w1))
+        r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
+        logits = torch.baddbmm(p["fc3.bias"].unsqueeze(1), r2, w3)
     # F.cross_entropy(reduction="none") = nll_loss(log_softmax(x, 1)); then each client's mean over its real rows
     lsm = torch.log_softmax(logits.reshape(k * b, -1), 1)
     target = st.y.reshape(-1)
@@ -204,7 +209,12 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     g = st.dloss
     g = torch.ops.aten.nll_loss_backward(g.reshape(-1), lsm, target, None, 0, -100, total_weight)
     g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
-    grads: dict[str, torch.Tensor | None] = {"fc3.bias": g.sum(1)}   # baddbmm: the bias's is sum_to(grad)
+    if fc is not None:   # every fully connected layer's gradients and steps (`back` and `done` below), natively
+        gin = fc.backward(g, k)
+        grads: dict[str, torch.Tensor | None] = dict.fromkeys(
+            ("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
+        return _conv_grads(layers, gin, k, grads, done, loss)
+    grads = {"fc3.bias": g.sum(1)}   # baddbmm: the bias's is sum_to(grad)
     g, grads["fc3.weight"] = back("fc3.weight", r2, g, w3, r2)
     done("fc3.bias", "fc3.weight")
     grads["fc2.bias"] = g.sum(1)
@@ -213,6 +223,13 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     grads["fc1.bias"] = g.sum(1)
     gin, grads["fc1.weight"] = back("fc1.weight", h2, g, w1, None)
     done("fc1.bias", "fc1.weight")
+    return _conv_grads(layers, gin, k, grads, done, loss)
+
+
+def _conv_grads(layers: kernels.LeNetLayers, gin: torch.Tensor, k: int, grads: dict[str, torch.Tensor | None],
+                done: Callable[..., None], loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """The end of `_lenet_step`: the two fused layers' backwards from fc1's input gradient, each parameter's update
+    (`done`) once its gradient is final."""
     _, grads["conv2.weight"], grads["conv2.bias"] = layers.bwd2(gin, k)   # reads conv2's weight: its update after
     done("conv2.weight", "conv2.bias")
     grads["conv1.weight"], grads["conv1.bias"] = layers.bwd1(k)
@@ -481,7 +498,7 @@ class Group:
         def sgd(n: str, x: torch.Tensor, g: torch.Tensor) -> bool:   # plain SGD: a linear weight's gradient and
             return kernels.fc_sgd(x, g, live[n], neg_lr[0], self.native)   # step in one pass, where exact
 
-        live_k, layers = None, None
+        live_k, layers, fc = None, None, None
         in_step = self.by_hand and (plain_sgd or fused)   # the step by hand updates as it goes (`apply`)
         for step in self._steps(tasks, plans, data):
             k = step.k
@@ -493,8 +510,13 @@ class Group:
                     layers = kernels.LeNetLayers(self.native, self.x_all, self.x_split, params["conv1.weight"],
                                                  params["conv1.bias"], params["conv2.weight"], params["conv2.bias"],
                                                  step.rows.shape[1])
+                    # plain SGD: the fully connected layers natively too, where their bits are the torch ops'
+                    fc = (kernels.FcLayers.make(self.native, [params[f"fc{i}.weight"] for i in (1, 2, 3)],
+                                                [params[f"fc{i}.bias"] for i in (1, 2, 3)], step.rows.shape[1],
+                                                neg_lr[0]) if in_step and plain_sgd else None)
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split, layers=layers)
-                loss, by_name = _lenet_step(z, apply if in_step else None, sgd if in_step and plain_sgd else None)
+                loss, by_name = _lenet_step(z, apply if in_step else None, sgd if in_step and plain_sgd else None,
+                                            fc)
                 grads = tuple(by_name[n] for n in live)   # (not read where the step updated in_step)
             else:
                 live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}

@@ -181,6 +181,10 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                 fn.argtypes, fn.restype = [ptr, i64, i64, i64, i64, i64, ptr], None
                 fn = getattr(lib, f"dropfl_fc_sgd_{suffix}")
                 fn.argtypes, fn.restype = [ptr] * 3 + [i64] * 4 + [ctypes.c_double], ctypes.c_int
+                fn = getattr(lib, f"dropfl_fc_fwd_{suffix}")   # x, w, bias, y, K, B, Fin, Fout, relu
+                fn.argtypes, fn.restype = [ptr] * 4 + [i64] * 5, None
+                fn = getattr(lib, f"dropfl_fc_bwd_sgd_{suffix}")   # x, g, w, bias, r, gx, K, B, Fin, Fout, lr, block
+                fn.argtypes, fn.restype = [ptr] * 6 + [i64] * 4 + [ctypes.c_double, i64], ctypes.c_int
             _libs[variant] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _errors[variant] = str(e)
@@ -697,3 +701,147 @@ def fc_sgd(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, neg_lr: float, var
     variant = variant or chosen()
     dims = _fc_shapes(x, g, w)
     return fc_sgd_exact(variant, x.dtype, *dims[1:]) and _fc_call(x, g, w, neg_lr, variant, dims)
+
+
+# ---- The fully connected layers of the LeNet step by hand (`fc_fwd`, `fc_bwd_sgd`) --------------------------------
+
+def _torch_fc_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, relu: bool) -> torch.Tensor:
+    """The torch ops `fc_fwd` replaces: a layer of the step by hand (`batched._lenet_step`), x [K, B, in] times the
+    engine's transposed weight [K, in, out] plus the bias [K, out], then relu where `relu`."""
+    y = torch.baddbmm(bias.unsqueeze(1), x, w)
+    return torch.relu(y) if relu else y
+
+
+def _torch_fc_bwd_sgd(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, r: torch.Tensor | None,
+                      neg_lr: float) -> torch.Tensor:
+    """The torch ops `fc_bwd_sgd` replaces (`batched._lenet_step`'s `back` and its plain SGD steps): the input's
+    gradient g·wᵀ (relu's threshold_backward on r where given), then the bias's and the weight's steps."""
+    gx = g.bmm(w.transpose(1, 2))
+    if r is not None:
+        gx = torch.ops.aten.threshold_backward(gx, r, 0)
+    bias.add_(g.sum(1), alpha=neg_lr)
+    w.add_(x.transpose(1, 2).bmm(g), alpha=neg_lr)
+    return gx
+
+
+_fc_layer_exact: dict[tuple, int] = {}
+
+
+def fc_layer_exact(variant: str, dtype: torch.dtype, b: int, fin: int, fout: int) -> int:
+    """Whether `fc_fwd` and `fc_bwd_sgd` with `variant`'s library give the bits of the torch ops they replace
+    (`_torch_fc_fwd`, `_torch_fc_bwd_sgd`, with and without relu and its threshold) for batches of `b` rows and an
+    `fin`→`fout` layer, in this process: the value of `fc_bwd_sgd`'s `sum_block` under which they do (the columns
+    ATen's bias-gradient sum takes in whole vectorised blocks: 4 vectors of its ISA), or 0 where they do not. The
+    kernels sum in the orders MKL's sgemm and ATen's reduction use for these shapes on the CPUs measured, which
+    another BLAS, CPU, ISA or shape need not: checked once per shape and thread count on random operands (relu'd
+    inputs, zeros in the gradient) of 3 clients, twice; the engine runs the kernels only where this is not 0."""
+    key = (variant, dtype, b, fin, fout, torch.get_num_threads())
+    if key in _fc_layer_exact:
+        return _fc_layer_exact[key]
+    found = 0
+    if available(variant) and dtype in (torch.float32, torch.float64):
+        lib, item = _lib(variant), torch.empty(0, dtype=dtype).element_size()
+        fwd, bwd = _entry(lib, "fc_fwd", dtype), _entry(lib, "fc_bwd_sgd", dtype)
+        gen = torch.Generator().manual_seed(20261125)
+        cases = []
+        for _ in range(2):
+            x = torch.relu(torch.randn(3, b, fin, generator=gen, dtype=dtype))
+            g = torch.randn(3, b, fout, generator=gen, dtype=dtype) * 0.1
+            g[g.abs() < 0.02] = 0
+            w = torch.randn(3, fin, fout, generator=gen, dtype=dtype) * 0.1
+            bias = torch.randn(3, fout, generator=gen, dtype=dtype) * 0.1
+            cases.append((x, g, w, bias))
+        fwd_ok = True
+        for x, _, w, bias in cases:
+            for relu in (False, True):
+                y = torch.empty(3, b, fout, dtype=dtype)
+                fwd(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), 3, b, fin, fout, int(relu))
+                fwd_ok = fwd_ok and _same_bits(y, _torch_fc_fwd(x, w, bias, relu))
+        for block in ((32 // item) * 4, (64 // item) * 4) if fwd_ok else ():   # AVX2's blocks, AVX-512's
+            ok = True
+            for x, g, w, bias in cases:
+                for r in (None, x):
+                    want_w, want_b = w.clone(), bias.clone()
+                    want_gx = _torch_fc_bwd_sgd(x, g, want_w, want_b, r, -0.0123)
+                    got_w, got_b, got_gx = w.clone(), bias.clone(), torch.empty(3, b, fin, dtype=dtype)
+                    ok = ok and bwd(x.data_ptr(), g.data_ptr(), got_w.data_ptr(), got_b.data_ptr(),
+                                    0 if r is None else r.data_ptr(), got_gx.data_ptr(), 3, b, fin, fout, -0.0123,
+                                    block) == 0
+                    ok = ok and _same_bits(got_gx, want_gx) and _same_bits(got_w, want_w) and _same_bits(got_b, want_b)
+            if ok:
+                found = block
+                break
+    _fc_layer_exact[key] = found
+    return found
+
+
+class FcLayers:
+    """The LeNet step by hand's fully connected layers (`batched._lenet_step`: relu between them, none after the
+    last) with plain SGD at one lr, prepared once per `Group.train`: the forward of every layer (`fc_fwd`) and the
+    backward of every layer with its weight's and bias's steps (`fc_bwd_sgd`), in place, instead of ~20 torch ops a
+    step. The same bits as those ops (each layer's shape checked once: `fc_layer_exact`); `make` returns None where
+    a layer's is not exact, and the step keeps the torch ops.
+
+    ws [K, in, out] (the engine's transposed weights) and bs [K, out], the parameter stacks of all K clients, in
+    order; their memory must stay where it is (the engine updates them in place). A step of the first k clients uses
+    the first k rows of each, and the outputs go to buffers made here once (a step's outputs are read within it)."""
+
+    @staticmethod
+    def make(variant: str | None, ws: list[torch.Tensor], bs: list[torch.Tensor], batch: int,
+             neg_lr: float) -> FcLayers | None:
+        variant = variant or chosen()
+        if not ws or len(ws) != len(bs) or not all(w.dim() == 3 and w.is_contiguous() for w in ws):
+            return None
+        blocks = [fc_layer_exact(variant, w.dtype, batch, w.shape[1], w.shape[2]) for w in ws]
+        return FcLayers(variant, ws, bs, batch, neg_lr, blocks) if all(blocks) else None
+
+    def __init__(self, variant: str, ws: list[torch.Tensor], bs: list[torch.Tensor], batch: int, neg_lr: float,
+                 blocks: list[int]):
+        lib, dt = _lib(variant), ws[0].dtype
+        _check_dtypes("FcLayers", *ws, *bs)
+        kk = ws[0].shape[0]
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            if (w.shape[0] != kk or b.shape != (kk, w.shape[2]) or not b.is_contiguous()
+                    or (i and w.shape[1] != ws[i - 1].shape[2])):
+                raise ValueError(f"FcLayers: weights {[tuple(w.shape) for w in ws]}, biases "
+                                 f"{[tuple(b.shape) for b in bs]}: not the contiguous stacks [K, in, out] and "
+                                 "[K, out] of consecutive layers")
+        self.fwd_fn, self.bwd_fn = _entry(lib, "fc_fwd", dt), _entry(lib, "fc_bwd_sgd", dt)
+        self.tensors = (*ws, *bs)   # kept alive: their pointers are used every step
+        self.w = [w.data_ptr() for w in ws]
+        self.b = [b.data_ptr() for b in bs]
+        self.dims = [(w.shape[1], w.shape[2]) for w in ws]
+        self.blocks, self.batch, self.k_all, self.neg_lr = blocks, batch, kk, neg_lr
+        self.out = [torch.empty(kk, batch, fout, dtype=dt) for _, fout in self.dims]    # each layer's output
+        self.gin = [torch.empty(kk, batch, fin, dtype=dt) for fin, _ in self.dims]      # each layer's input gradient
+        self.x0: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """The layers on x [k, B, in] (contiguous): the last layer's output [k, B, out] (the logits)."""
+        if x.shape != (k, self.batch, self.dims[0][0]) or not x.is_contiguous() or not 0 < k <= self.k_all:
+            raise ValueError(f"FcLayers: x {tuple(x.shape)} for {k} clients: need contiguous "
+                             f"[{k}, {self.batch}, {self.dims[0][0]}], at most {self.k_all} clients")
+        self.x0, last = x, len(self.dims) - 1
+        for i, (fin, fout) in enumerate(self.dims):
+            src = x if i == 0 else self.out[i - 1]
+            self.fwd_fn(src.data_ptr(), self.w[i], self.b[i], self.out[i].data_ptr(), k, self.batch, fin, fout,
+                        int(i < last))
+        return self.out[last][:k]
+
+    def backward(self, g: torch.Tensor, k: int) -> torch.Tensor:
+        """After `forward` of the same k clients: from the logits' gradient g [k, B, out], every layer's weight and
+        bias stepped in place (w ← w − lr·∇w, b ← b − lr·∇b, reading each weight for its input gradient first) and
+        the first layer's input gradient [k, B, in] returned."""
+        g = g.contiguous()
+        last = len(self.dims) - 1
+        if g.shape != (k, self.batch, self.dims[last][1]) or self.x0 is None or self.x0.shape[0] != k:
+            raise ValueError(f"FcLayers: g {tuple(g.shape)} for {k} clients: need [{k}, {self.batch}, "
+                             f"{self.dims[last][1]}] after forward() of the same clients")
+        for i in range(last, -1, -1):
+            fin, fout = self.dims[i]
+            x = self.x0 if i == 0 else self.out[i - 1]   # the layer's input (relu'd where i > 0: its threshold)
+            if self.bwd_fn(x.data_ptr(), g.data_ptr(), self.w[i], self.b[i], x.data_ptr() if i else None,
+                           self.gin[i].data_ptr(), k, self.batch, fin, fout, self.neg_lr, self.blocks[i]) != 0:
+                raise RuntimeError("FcLayers: the kernel refused the shape (fc_layer_exact and the kernel disagree)")
+            g = self.gin[i][:k]
+        return g

@@ -887,6 +887,270 @@ int fc_sgd(const T* x, const T* g, T* w, int64_t K, int64_t B, int64_t Fin, int6
   return 0;
 }
 
+// ---- The fully connected layers of the LeNet step by hand, with MKL's bits -------------------------------------------
+// x [K, B, Fin], w [K, Fin, Fout] (the engine's transposed weight), bias [K, Fout], y/g [K, B, Fout], all contiguous.
+// Each output and gradient is summed in the order the torch ops it replaces sum it on this machine (found by testing
+// candidate orders against their results, as for `fc_sgd`): baddbmm's y = (Σ_i x·w as one FMA chain over i from 0)
+// + bias; bmm's g·wᵀ, one FMA chain over the outputs from 0; the bias gradient g.sum(1), ATen's reduction over the
+// batch rows (`column_sum`). That order is the libraries' behaviour, not their contract, so
+// the engine compares these kernels with the torch ops once per shape (`kernels.fc_exact`) and runs the torch ops
+// wherever the bits differ.
+
+// Σ_b row(b) as ATen's sum over the batch rows of a [B, Fout] gradient adds each column (measured against g.sum(1)
+// for 1..64 rows), for one column (U = T) or a vector of columns (U = a vector, the same order in every lane). The
+// columns in whole blocks of its vectorised kernel (`cascade`: 4 vectors of its ISA's width) are summed in row order
+// from 0 in a cascade of 4 levels of 2^max(4, ⌈log2 B⌉/4) rows each; the rest in four sums over every fourth row
+// (the rows past the last whole four into the first), then added from 0.
+template <typename U, typename F>
+U column_sum(int64_t B, bool cascade, F row) {
+  if (cascade) {
+    int64_t lp = 0;
+    while ((int64_t(1) << lp) < B) ++lp;   // ⌈log2 B⌉
+    lp = std::max<int64_t>(4, lp / 4);
+    const int64_t step = int64_t(1) << lp, mask = step - 1;
+    U acc[4] = {U{}, U{}, U{}, U{}};
+    int64_t i = 0;
+    while (i + step <= B) {
+      for (int64_t j = 0; j < step; ++j, ++i) acc[0] += row(i);
+      for (int j = 1; j < 4; ++j) {
+        acc[j] += acc[j - 1];
+        acc[j - 1] = U{};
+        if (i & (mask << (j * lp))) break;
+      }
+    }
+    for (; i < B; ++i) acc[0] += row(i);
+    for (int j = 1; j < 4; ++j) acc[0] += acc[j];
+    return acc[0];
+  }
+  U a[4] = {U{}, U{}, U{}, U{}};
+  int64_t i = 0;
+  for (; i + 4 <= B; i += 4)
+    for (int j = 0; j < 4; ++j) a[j] += row(i + j);
+  for (; i < B; ++i) a[0] += row(i);
+  return U{} + a[0] + a[1] + a[2] + a[3];
+}
+
+// Loads / stores the first n (< L) lanes of a vector, the rest zero: rows narrower than a vector (mimic-cnn's fc3).
+template <typename T>
+inline typename V<T>::type load_first(const T* p, int64_t n) {
+  typename V<T>::type v{};
+  std::memcpy(&v, p, n * sizeof(T));
+  return v;
+}
+template <typename T>
+inline void store_first_n(T* p, const typename V<T>::type& v, int64_t n) { std::memcpy(p, &v, n * sizeof(T)); }
+
+// Output columns in vectors: vector j covers columns [n0(j), n0(j) + L). Where Fout >= L the last vector overlaps
+// the one before it (it starts at Fout - L: the overlapping lanes compute the same values again); where Fout < L
+// there is one vector of Fout lanes.
+inline int64_t col_start(int64_t j, int64_t L, int64_t Fout) { return Fout >= L ? std::min(j * L, Fout - L) : 0; }
+
+// forward blocks: FC_MB rows x FC_NB vectors of columns (8 x 2 measured fastest of 2x8 .. 16x1 for mimic-cnn's fc1)
+constexpr int FC_MB = REGS >= 32 ? 8 : 4, FC_NB = 2;
+constexpr int64_t FC_KMAX = 384;   // the longest row MKL's sgemm sums in one chain here (measured: 384 yes, 385 no)
+constexpr int GX_ROWS = 8;   // rows of w per input-gradient block (`fc_bwd_sgd`; 8 measured best of 6 .. 16)
+
+// y[m][cols of vectors v0..v0+NB) for rows m0..m0+MB of one client.
+template <typename T, int MB, int NB, bool NARROW>
+void fc_fwd_block(const T* x, const T* w, const T* bias, T* y, int64_t Fin, int64_t Fout, int64_t m0, int64_t v0,
+                  bool relu) {
+  typedef typename V<T>::type vec;
+  constexpr int L = V<T>::L;
+  const int64_t ws = NARROW ? L : Fout;   // NARROW: w's rows and the bias padded to L lanes
+  int64_t n0[NB];
+  Lanes<T> keep[NB];   // lanes the vector before already covers (a row's overlapping last vector)
+  for (int j = 0; j < NB; ++j) {
+    n0[j] = col_start(v0 + j, L, Fout);
+    for (int l = 0; l < L; ++l) keep[j][l] = NARROW ? 0 : l < (v0 + j) * L - n0[j] ? -1 : 0;
+  }
+  // MKL sums a long row in balanced blocks of at most FC_KMAX (400 inputs: 2 x 200), each an FMA chain from 0
+  // added to the output in turn (the bias first); the output holds the sum between blocks
+  const int64_t nblocks = (Fin + FC_KMAX - 1) / FC_KMAX, kb = (Fin + nblocks - 1) / nblocks;
+  for (int64_t i0 = 0; i0 < Fin; i0 += kb) {
+    const int64_t i1 = std::min(Fin, i0 + kb);
+    vec acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) acc[m][j] = vec{};
+    for (int64_t i = i0; i < i1; ++i) {
+      vec wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = loadu(w + i * ws + n0[j]);
+      for (int m = 0; m < MB; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] += x[(m0 + m) * Fin + i] * wv[j];   // one FMA (contracted)
+    }
+    for (int j = 0; j < NB; ++j) {
+      const vec bv = loadu(bias + n0[j]);
+      for (int m = 0; m < MB; ++m) {
+        T* yp = y + (m0 + m) * Fout + n0[j];
+        const vec old = i0 == 0 ? bv : NARROW ? load_first(yp, Fout) : loadu(yp);
+        vec out = acc[m][j] + old;
+        if (relu && i1 == Fin) out = out < 0 ? vec{} : out;   // torch.relu: NaN and -0 stay
+        // in several blocks, the lanes an earlier vector covers keep what it stored (y holds partial sums: computed
+        // again they would add a block twice); in one block they are computed again, the same values
+        if (!NARROW && nblocks > 1) out = keep[j] ? loadu(yp) : out;
+        if (NARROW) store_first_n(yp, out, Fout);
+        else storeu(yp, out);
+      }
+    }
+  }
+}
+
+template <typename T, int MB, int NB, bool NARROW = false>
+void fc_fwd_rows(const T* x, const T* w, const T* bias, T* y, int64_t B, int64_t Fin, int64_t Fout, int64_t m0,
+                 int64_t v0, bool relu) {
+  if constexpr (MB >= 1) {
+    for (; m0 + MB <= B; m0 += MB) fc_fwd_block<T, MB, NB, NARROW>(x, w, bias, y, Fin, Fout, m0, v0, relu);
+    fc_fwd_rows<T, MB / 2, NB, NARROW>(x, w, bias, y, B, Fin, Fout, m0, v0, relu);
+  }
+}
+
+// Columns: blocks of NB vectors (FC_MB·4/NB rows at a time), then the rest in blocks of NB/2, ... 1.
+template <typename T, int NB>
+void fc_fwd_cols(const T* x, const T* w, const T* bias, T* y, int64_t B, int64_t Fin, int64_t Fout, int64_t v0,
+                 int64_t nvec, bool relu) {
+  if constexpr (NB >= 1) {
+    for (; v0 + NB <= nvec; v0 += NB) fc_fwd_rows<T, FC_MB * FC_NB / NB, NB>(x, w, bias, y, B, Fin, Fout, 0, v0, relu);
+    fc_fwd_cols<T, NB / 2>(x, w, bias, y, B, Fin, Fout, v0, nvec, relu);
+  }
+}
+
+template <typename T>
+void fc_fwd(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t B, int64_t Fin, int64_t Fout, bool relu) {
+  constexpr int L = V<T>::L;
+  const int64_t nvec = (Fout + L - 1) / L;
+  std::vector<T> wpad(Fout < L ? (Fin + 1) * L : 0);   // zeros past Fout
+  for (int64_t k = 0; k < K; ++k) {
+    const T* xk = x + k * B * Fin;
+    const T* wk = w + k * Fin * Fout;
+    const T* bk = bias + k * Fout;
+    T* yk = y + k * B * Fout;
+    if (Fout < L) {   // one vector of Fout lanes: the weight's rows and the bias copied padded to L first
+      for (int64_t i = 0; i < Fin; ++i) std::memcpy(wpad.data() + i * L, wk + i * Fout, Fout * sizeof(T));
+      std::memcpy(wpad.data() + Fin * L, bk, Fout * sizeof(T));
+      fc_fwd_rows<T, 2 * FC_MB, 1, true>(xk, wpad.data(), wpad.data() + Fin * L, yk, B, Fin, Fout, 0, 0, relu);
+      continue;
+    }
+    fc_fwd_cols<T, FC_NB>(xk, wk, bk, yk, B, Fin, Fout, 0, nvec, relu);
+  }
+}
+
+// gxT[v][i][lanes] = Σ_o w[i][o]·gT[v][o][lanes] (one FMA chain over o from 0) for rows i0..i0+IB of one client and
+// NV vectors v of batch lanes: the input gradient g·wᵀ with the batch rows in the lanes (w's rows are contiguous in o).
+template <typename T, int IB, int NV>
+void fc_gx_block(const T* gT, const T* w, T* gxT, int64_t Fin, int64_t Fout, int64_t i0) {
+  typedef typename V<T>::type vec;
+  constexpr int L = V<T>::L;
+  vec acc[IB][NV];
+  for (int i = 0; i < IB; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vec{};
+  for (int64_t o = 0; o < Fout; ++o) {
+    vec gv[NV];
+    for (int v = 0; v < NV; ++v) std::memcpy(&gv[v], gT + (v * Fout + o) * L, sizeof(vec));
+    // unrolled here: GCC's loop interchange otherwise swaps the loops over o and i and keeps the accumulators in
+    // memory (a load and a store per FMA: this loop ran at half speed)
+#pragma GCC unroll 32
+    for (int i = 0; i < IB; ++i)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[i][v] += w[(i0 + i) * Fout + o] * gv[v];   // one FMA (contracted)
+  }
+  for (int i = 0; i < IB; ++i)
+    for (int v = 0; v < NV; ++v) std::memcpy(gxT + (v * Fin + i0 + i) * L, &acc[i][v], sizeof(vec));
+}
+
+template <typename T, int IB, int NV>
+void fc_gx_rows(const T* gT, const T* w, T* gxT, int64_t Fin, int64_t Fout, int64_t i0) {
+  if constexpr (IB >= 1) {
+    for (; i0 + IB <= Fin; i0 += IB) fc_gx_block<T, IB, NV>(gT, w, gxT, Fin, Fout, i0);
+    fc_gx_rows<T, IB / 2, NV>(gT, w, gxT, Fin, Fout, i0);
+  }
+}
+
+// One layer's backward and plain SGD step, client by client: the input gradient gx = g·wᵀ (then relu's
+// threshold_backward where r, the layer's relu'd input, is given; gx may be null: no input gradient), then the
+// bias gradient and the weight gradient with their steps, b ← fma(Σ_b g, −lr, b) and w ← fma(xᵀ·g, −lr, w) (the
+// weight is read for gx first). Returns -1 (and does nothing) for a batch of more than 8 vectors of lanes.
+template <typename T>
+int fc_bwd_sgd(const T* x, const T* g, T* w, T* bias, const T* r, T* gx, int64_t K, int64_t B, int64_t Fin,
+               int64_t Fout, T neg_lr, int64_t sum_block) {
+  typedef typename V<T>::type vec;
+  constexpr int L = V<T>::L;
+  const int64_t NV = (B + L - 1) / L;   // vectors of batch lanes
+  if (NV > 8 || sum_block < 1) return -1;
+  const int64_t seq_cols = Fout / sum_block * sum_block;
+  std::vector<T> gT(NV * Fout * L), gxT(NV * Fin * L);
+  std::vector<T> gb(Fout);
+  std::vector<vec> gnarrow(Fout < L ? B : 0);
+  Lanes<T> lane;
+  for (int l = 0; l < L; ++l) lane[l] = l;
+  for (int64_t k = 0; k < K; ++k) {
+    const T* xk = x + k * B * Fin;
+    const T* gk = g + k * B * Fout;
+    T* wk = w + k * Fin * Fout;
+    if (gx != nullptr) {
+      // gT [v][o][lane]: the gradient's rows in the lanes (lanes past the batch: row 0 again, not stored)
+      for (int64_t v = 0; v < NV; ++v) {
+        const T* rows[L];
+        for (int l = 0; l < L; ++l) rows[l] = gk + (v * L + l < B ? v * L + l : 0) * Fout;
+        transpose_in<T, L>(rows, Fout, gT.data() + v * Fout * L);
+      }
+      // IB rows of w x NV vectors of accumulators: at most GX_ROWS rows (each row's broadcasts need its own address
+      // register: with 24 rows GCC spilled them and reloaded one per FMA) and 3/4 of the vector registers
+      constexpr int ACC = REGS * 3 / 4;
+      const T* gTp = gT.data();
+      T* gxTp = gxT.data();
+      switch (NV) {
+        case 1: fc_gx_rows<T, std::min(GX_ROWS, ACC), 1>(gTp, wk, gxTp, Fin, Fout, 0); break;
+        case 2: fc_gx_rows<T, std::min(GX_ROWS, ACC / 2), 2>(gTp, wk, gxTp, Fin, Fout, 0); break;
+        case 3: fc_gx_rows<T, ACC / 3, 3>(gTp, wk, gxTp, Fin, Fout, 0); break;
+        case 4: fc_gx_rows<T, ACC / 4, 4>(gTp, wk, gxTp, Fin, Fout, 0); break;
+        case 5: fc_gx_rows<T, ACC / 5, 5>(gTp, wk, gxTp, Fin, Fout, 0); break;
+        case 6: fc_gx_rows<T, ACC / 6, 6>(gTp, wk, gxTp, Fin, Fout, 0); break;
+        case 7: fc_gx_rows<T, ACC / 7, 7>(gTp, wk, gxTp, Fin, Fout, 0); break;
+        default: fc_gx_rows<T, ACC / 8, 8>(gTp, wk, gxTp, Fin, Fout, 0); break;
+      }
+      T* gxk = gx + k * B * Fin;
+      for (int64_t v = 0; v < NV; ++v)   // back to rows: gx [b][i]
+        transpose_out<T, L>(gxT.data() + v * Fin * L, Fin, gxk + v * L * Fin, Fin, std::min<int64_t>(L, B - v * L));
+      if (r != nullptr) {   // threshold_backward(gx, r, 0): 0 where r <= 0
+        const T* rk = r + k * B * Fin;
+        for (int64_t e = 0; e < B * Fin; ++e) gxk[e] = rk[e] <= 0 ? T(0) : gxk[e];
+      }
+    }
+    // the bias gradient in ATen's order (`column_sum`), a vector of columns at a time (`seq_cols` is a multiple of
+    // the lanes wherever it is not 0: whole blocks of 4 vectors of AVX2 or AVX-512), then its step
+    int64_t o = 0;
+    for (; o + L <= Fout; o += L) {
+      const vec sum = column_sum<vec>(B, o < seq_cols, [&](int64_t b) { return loadu(gk + b * Fout + o); });
+      std::memcpy(gb.data() + o, &sum, sizeof(vec));
+    }
+    for (; o < Fout; ++o) gb[o] = column_sum<T>(B, o < seq_cols, [&](int64_t b) { return gk[b * Fout + o]; });
+    T* bk = bias + k * Fout;
+    for (int64_t o = 0; o < Fout; ++o) bk[o] = std::fma(gb[o], neg_lr, bk[o]);
+    // the weight's gradient and step
+    if (Fout >= L) {
+      dw_cols<T, DW_NB>(xk, gk, wk, B, Fin, Fout, 0, (Fout + L - 1) / L, neg_lr, lane);
+    } else {   // narrower than a vector: the gradient's rows as vectors of Fout lanes, 8 rows of w at a time
+      for (int64_t b = 0; b < B; ++b) gnarrow[b] = load_first(gk + b * Fout, Fout);
+      int64_t i0 = 0;
+      for (; i0 + 8 <= Fin; i0 += 8) {
+        vec acc[8] = {};
+        for (int64_t b = 0; b < B; ++b)
+          for (int i = 0; i < 8; ++i) acc[i] += xk[b * Fin + i0 + i] * gnarrow[b];
+        for (int i = 0; i < 8; ++i) {
+          const vec old = load_first(wk + (i0 + i) * Fout, Fout);
+          store_first_n(wk + (i0 + i) * Fout, acc[i] * neg_lr + old, Fout);   // fma(gradient, −lr, w)
+        }
+      }
+      for (; i0 < Fin; ++i0) {
+        vec acc{};
+        for (int64_t b = 0; b < B; ++b) acc += xk[b * Fin + i0] * gnarrow[b];
+        const vec old = load_first(wk + i0 * Fout, Fout);
+        store_first_n(wk + i0 * Fout, acc * neg_lr + old, Fout);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -962,6 +1226,14 @@ extern "C" {
   int dropfl_fc_sgd_##suffix(const T* x, const T* g, T* w, int64_t K, int64_t B, int64_t Fin, int64_t Fout,    \
                              double neg_lr) {                                                              \
     return fc_sgd<T>(x, g, w, K, B, Fin, Fout, static_cast<T>(neg_lr));                                    \
+  }                                                                                                        \
+  void dropfl_fc_fwd_##suffix(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t B, int64_t Fin,   \
+                              int64_t Fout, int64_t relu) {                                                \
+    fc_fwd<T>(x, w, bias, y, K, B, Fin, Fout, relu != 0);                                                  \
+  }                                                                                                        \
+  int dropfl_fc_bwd_sgd_##suffix(const T* x, const T* g, T* w, T* bias, const T* r, T* gx, int64_t K,         \
+                                 int64_t B, int64_t Fin, int64_t Fout, double neg_lr, int64_t sum_block) { \
+    return fc_bwd_sgd<T>(x, g, w, bias, r, gx, K, B, Fin, Fout, static_cast<T>(neg_lr), sum_block);        \
   }
 
 DROPFL_ENTRY(float, f32)
