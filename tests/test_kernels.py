@@ -451,6 +451,8 @@ def test_the_native_fully_connected_layers_give_the_torch_ops_bits(variant: str,
         assert (fc is not None) == exact
         if _mkl_x86() and variant != "generic" and dtype == torch.float32 and dims[0] in (256, 400):
             assert fc is not None, (b, dims)
+            if variant == "avx512" and torch.backends.cpu.get_cpu_capability() == "AVX512":
+                assert fc.loss_fn is not None, "the native loss (ATen's 16-lane log-softmax) does not run here"
         if fc is None:
             continue
         for k in (4, 4, 2):
@@ -465,12 +467,22 @@ def test_the_native_fully_connected_layers_give_the_torch_ops_bits(variant: str,
                 want_g = kernels._torch_fc_bwd_sgd(ins[i], want_g, wk, bk, ins[i] if i else None, -0.05)
             logits = fc.forward(x, k)
             assert torch.equal(logits.view(as_int), ins[-1].view(as_int))
+            # the loss down to the logits' gradient (natively where `loss_exact`), as the torch ops
+            t = torch.randint(0, dims[-1], (k * b,), generator=gen)
+            d = torch.rand(k * b, generator=gen, dtype=dtype) / b
+            ce, g_logits = fc.loss(logits, t, d, k)
+            want_ce, want_gl = kernels._torch_loss(ins[-1].reshape(k * b, -1), t, d)
+            assert torch.equal(ce.view(as_int), want_ce.view(as_int))
+            assert torch.equal(g_logits.reshape(k * b, -1).view(as_int), want_gl.view(as_int))
             gin = fc.backward(g, k)
             assert torch.equal(gin.view(as_int), want_g.view(as_int))
             for got, want in zip([*ws, *bs], [*want_ws, *want_bs]):
                 assert torch.equal(got.view(as_int), want.view(as_int))
     with pytest.raises(ValueError, match="FcLayers"):
         kernels.FcLayers(variant, ws, bs[:1] + bs[1:2] * 2, b, -0.05, [1, 1, 1])
+    if fc is not None and fc.loss_fn is not None:   # a label outside the classes: refused, not read out of range
+        with pytest.raises(ValueError, match="target outside"):
+            fc.loss(logits, torch.full((k * b,), dims[-1]), d, k)
 
 
 def _mkl_x86() -> bool:

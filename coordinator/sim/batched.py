@@ -199,8 +199,15 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
         r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
         logits = torch.baddbmm(p["fc3.bias"].unsqueeze(1), r2, w3)
     # F.cross_entropy(reduction="none") = nll_loss(log_softmax(x, 1)); then each client's mean over its real rows
-    lsm = torch.log_softmax(logits.reshape(k * b, -1), 1)
     target = st.y.reshape(-1)
+    if fc is not None:   # the loss and its gradient down to the logits (`kernels.FcLayers.loss`: the same ops' bits)
+        ce, g = fc.loss(logits, target, st.dloss.reshape(-1), k)
+        loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
+        gin = fc.backward(g, k)   # every fully connected layer's gradients and steps (`back`, `done` below)
+        grads: dict[str, torch.Tensor | None] = dict.fromkeys(
+            ("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
+        return _conv_grads(layers, gin, k, grads, done, loss)
+    lsm = torch.log_softmax(logits.reshape(k * b, -1), 1)
     ce, total_weight = torch.ops.aten.nll_loss_forward(lsm, target, None, 0, -100)
     size = st.size.to(ce.dtype)
     loss = (ce.view(k, b) * st.weight).sum(1) / size
@@ -209,11 +216,6 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     g = st.dloss
     g = torch.ops.aten.nll_loss_backward(g.reshape(-1), lsm, target, None, 0, -100, total_weight)
     g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
-    if fc is not None:   # every fully connected layer's gradients and steps (`back` and `done` below), natively
-        gin = fc.backward(g, k)
-        grads: dict[str, torch.Tensor | None] = dict.fromkeys(
-            ("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
-        return _conv_grads(layers, gin, k, grads, done, loss)
     grads = {"fc3.bias": g.sum(1)}   # baddbmm: the bias's is sum_to(grad)
     g, grads["fc3.weight"] = back("fc3.weight", r2, g, w3, r2)
     done("fc3.bias", "fc3.weight")

@@ -181,6 +181,9 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                 fn.argtypes, fn.restype = [ptr, i64, i64, i64, i64, i64, ptr], None
                 fn = getattr(lib, f"dropfl_fc_sgd_{suffix}")
                 fn.argtypes, fn.restype = [ptr] * 3 + [i64] * 4 + [ctypes.c_double], ctypes.c_int
+                if suffix == "f32":   # x, target, dloss, ce, gi, R, D, exp, log
+                    fn = lib.dropfl_log_softmax_nll_f32
+                    fn.argtypes, fn.restype = [ptr] * 5 + [i64] * 2 + [ptr] * 2, ctypes.c_int
                 fn = getattr(lib, f"dropfl_fc_fwd_{suffix}")   # x, w, bias, y, K, B, Fin, Fout, relu
                 fn.argtypes, fn.restype = [ptr] * 4 + [i64] * 5, None
                 fn = getattr(lib, f"dropfl_fc_bwd_sgd_{suffix}")   # x, g, w, bias, r, gx, K, B, Fin, Fout, lr, block
@@ -775,6 +778,58 @@ def fc_layer_exact(variant: str, dtype: torch.dtype, b: int, fin: int, fout: int
     return found
 
 
+def _torch_loss(logits: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops `log_softmax_nll` replaces (`batched._lenet_step`): per row, the cross-entropy nll_loss(
+    log_softmax(x)) (reduction none) and the gradient of Σ dloss·ce with respect to the logits [R, D]."""
+    lsm = torch.log_softmax(logits, 1)
+    ce, total_weight = torch.ops.aten.nll_loss_forward(lsm, target, None, 0, -100)
+    g = torch.ops.aten.nll_loss_backward(dloss, lsm, target, None, 0, -100, total_weight)
+    return ce, torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype)
+
+
+@functools.cache
+def _sleef(variant: str) -> tuple[int, int] | None:
+    """The addresses of the SLEEF exp and log that ATen's vectorised kernels call, for `variant`'s float vector
+    width (exported by libtorch_cpu), or None where they are not found."""
+    width = {"avx512": 16, "avx2": 8}.get(variant)
+    lib_path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if width is None or not os.path.exists(lib_path):
+        return None
+    try:
+        tl = ctypes.CDLL(lib_path)
+        return tuple(ctypes.cast(getattr(tl, f"Sleef_{f}f{width}_u10"), ctypes.c_void_p).value  # type: ignore
+                     for f in ("exp", "log"))
+    except (OSError, AttributeError):
+        return None
+
+
+_loss_exact: dict[tuple, bool] = {}
+
+
+def loss_exact(variant: str, classes: int) -> bool:
+    """Whether `log_softmax_nll` (float32) gives the bits of the torch ops it replaces (`_torch_loss`) for rows of
+    `classes` logits, in this process: it follows ATen's vectorised kernels for a row shorter than a vector, with the
+    very SLEEF exp and log they call, which another torch, CPU or ISA need not. Checked once per process on random
+    logits of several scales (zeros in the incoming gradient); the step keeps the torch ops where False."""
+    key = (variant, classes)
+    if key not in _loss_exact:
+        ok = available(variant) and _sleef(variant) is not None
+        gen = torch.Generator().manual_seed(20261126)
+        for scale in (1.0, 8.0, 40.0) if ok else ():
+            x = torch.randn(97, classes, generator=gen) * scale
+            t = torch.randint(0, classes, (97,), generator=gen)
+            d = torch.rand(97, generator=gen) / 16
+            d[::5] = 0
+            want = _torch_loss(x, t, d)
+            ce, gi = torch.empty(97), torch.empty(97, classes)
+            ok = ok and _lib(variant).dropfl_log_softmax_nll_f32(x.data_ptr(), t.data_ptr(), d.data_ptr(),
+                                                                 ce.data_ptr(), gi.data_ptr(), 97, classes,
+                                                                 *_sleef(variant)) == 0
+            ok = ok and _same_bits(ce, want[0]) and _same_bits(gi, want[1])
+        _loss_exact[key] = ok
+    return _loss_exact[key]
+
+
 class FcLayers:
     """The LeNet step by hand's fully connected layers (`batched._lenet_step`: relu between them, none after the
     last) with plain SGD at one lr, prepared once per `Group.train`: the forward of every layer (`fc_fwd`) and the
@@ -793,10 +848,13 @@ class FcLayers:
         if not ws or len(ws) != len(bs) or not all(w.dim() == 3 and w.is_contiguous() for w in ws):
             return None
         blocks = [fc_layer_exact(variant, w.dtype, batch, w.shape[1], w.shape[2]) for w in ws]
-        return FcLayers(variant, ws, bs, batch, neg_lr, blocks) if all(blocks) else None
+        if not all(blocks):
+            return None
+        native_loss = ws[0].dtype == torch.float32 and loss_exact(variant, ws[-1].shape[2])
+        return FcLayers(variant, ws, bs, batch, neg_lr, blocks, native_loss)
 
     def __init__(self, variant: str, ws: list[torch.Tensor], bs: list[torch.Tensor], batch: int, neg_lr: float,
-                 blocks: list[int]):
+                 blocks: list[int], native_loss: bool = False):
         lib, dt = _lib(variant), ws[0].dtype
         _check_dtypes("FcLayers", *ws, *bs)
         kk = ws[0].shape[0]
@@ -815,6 +873,12 @@ class FcLayers:
         self.out = [torch.empty(kk, batch, fout, dtype=dt) for _, fout in self.dims]    # each layer's output
         self.gin = [torch.empty(kk, batch, fin, dtype=dt) for fin, _ in self.dims]      # each layer's input gradient
         self.x0: torch.Tensor | None = None
+        # the loss (`loss`): log_softmax, nll_loss and their backward in one native call where its bits are the
+        # torch ops' (`loss_exact`), else those ops
+        self.loss_fn = lib.dropfl_log_softmax_nll_f32 if native_loss else None
+        self.sleef = _sleef(variant) if native_loss else None
+        classes = self.dims[-1][1]
+        self.ce, self.g = torch.empty(kk * batch, dtype=dt), torch.empty(kk, batch, classes, dtype=dt)
 
     def forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """The layers on x [k, B, in] (contiguous): the last layer's output [k, B, out] (the logits)."""
@@ -827,6 +891,26 @@ class FcLayers:
             self.fwd_fn(src.data_ptr(), self.w[i], self.b[i], self.out[i].data_ptr(), k, self.batch, fin, fout,
                         int(i < last))
         return self.out[last][:k]
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_torch_loss` on `forward`'s logits [k, B, D] (targets [k·B] int64, dloss [k·B]): each row's cross-entropy
+        [k·B] and the logits' gradient [k, B, D], natively where exact."""
+        rows, classes = k * self.batch, self.dims[-1][1]
+        if self.loss_fn is None:
+            ce, g = _torch_loss(logits.reshape(rows, classes), target, dloss)
+            return ce, g.view(k, self.batch, classes)
+        if not (target.dtype == torch.int64 and target.shape == (rows,) and dloss.shape == (rows,)
+                and target.is_contiguous() and dloss.is_contiguous() and dloss.dtype == logits.dtype):
+            raise ValueError(f"FcLayers.loss: target {tuple(target.shape)} {target.dtype}, dloss {tuple(dloss.shape)}: "
+                             f"need contiguous [{rows}] int64 and [{rows}] {logits.dtype}")
+        ce, g = self.ce[:rows], self.g[:k]
+        status = self.loss_fn(logits.data_ptr(), target.data_ptr(), dloss.data_ptr(), ce.data_ptr(), g.data_ptr(),
+                              rows, classes, *self.sleef)
+        if status != 0:
+            raise ValueError(f"FcLayers.loss: a target outside 0..{classes - 1}" if status == -2 else
+                             "FcLayers.loss: the kernel refused the shape")
+        return ce, g
 
     def backward(self, g: torch.Tensor, k: int) -> torch.Tensor:
         """After `forward` of the same k clients: from the logits' gradient g [k, B, out], every layer's weight and

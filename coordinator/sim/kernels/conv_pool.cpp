@@ -961,6 +961,7 @@ void fc_fwd_block(const T* x, const T* w, const T* bias, T* y, int64_t Fin, int6
   Lanes<T> keep[NB];   // lanes the vector before already covers (a row's overlapping last vector)
   for (int j = 0; j < NB; ++j) {
     n0[j] = col_start(v0 + j, L, Fout);
+    keep[j] = Lanes<T>{};
     for (int l = 0; l < L; ++l) keep[j][l] = NARROW ? 0 : l < (v0 + j) * L - n0[j] ? -1 : 0;
   }
   // MKL sums a long row in balanced blocks of at most FC_KMAX (400 inputs: 2 x 200), each an FMA chain from 0
@@ -1151,6 +1152,60 @@ int fc_bwd_sgd(const T* x, const T* g, T* w, T* bias, const T* r, T* gx, int64_t
   return 0;
 }
 
+// ---- The LeNet step by hand's loss: log_softmax, nll_loss (reduction none) and their backward, ATen's bits --------
+// For rows of D <= L logits (one partial vector), as ATen's vectorised kernels compute them (`_vec_log_softmax_lastdim`
+// and its backward, for a row shorter than a vector): the row's maximum and the sum of exp(x − max) folded lane by
+// lane from lane 0, log of the sum, lsm = (x − max) − log(sum); ce = −lsm[target]; the gradient z = −dloss at the
+// target (nll_loss_backward), 0 elsewhere, then z − exp(lsm)·Σz as one fma. exp and log are the very SLEEF functions
+// ATen calls (`vexp`, `vlog`: function pointers into libtorch_cpu, passed by the caller). The engine compares this
+// with the torch ops once per process (`kernels.loss_exact`) and keeps them wherever the bits differ.
+template <typename T>
+using vfun = typename V<T>::type (*)(typename V<T>::type);
+
+// ATen's vec::maximum of two lanes: the larger (the second where equal), a NaN (all bits set) where either is one.
+template <typename T>
+inline T aten_max(T a, T b) {
+  if (a != a || b != b) {
+    T nan;
+    std::memset(&nan, 0xff, sizeof(T));
+    return nan;
+  }
+  return a > b ? a : b;
+}
+
+template <typename T>
+int log_softmax_nll(const T* x, const int64_t* target, const T* dloss, T* ce, T* gi, int64_t R, int64_t D,
+                    vfun<T> vexp, vfun<T> vlog) {
+  typedef typename V<T>::type vec;
+  constexpr int L = V<T>::L;
+  if (D > L || D < 1) return -1;
+  for (int64_t r = 0; r < R; ++r) {
+    const T* row = x + r * D;
+    vec xv{};
+    std::memcpy(&xv, row, D * sizeof(T));
+    T mx = xv[0];
+    for (int64_t c = 1; c < D; ++c) mx = aten_max(mx, xv[c]);
+    const vec e = vexp(xv - mx);
+    T sum = e[0];
+    for (int64_t c = 1; c < D; ++c) sum = sum + e[c];
+    const T logsum = vlog(vec{} + sum)[0];
+    vec lsm = (xv - mx) - logsum;
+    const int64_t t = target[r];
+    if (t < 0 || t >= D) return -2;
+    ce[r] = -lsm[t];
+    vec z{};
+    z[t] = -dloss[r];
+    T zsum = z[0];
+    for (int64_t c = 1; c < D; ++c) zsum = zsum + z[c];
+    for (int64_t c = D; c < L; ++c) lsm[c] = 0;
+    const vec el = vexp(lsm);
+    vec out;
+    for (int l = 0; l < L; ++l) out[l] = std::fma(-el[l], zsum, z[l]);
+    std::memcpy(gi + r * D, &out, D * sizeof(T));
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1235,6 +1290,14 @@ extern "C" {
                                  int64_t B, int64_t Fin, int64_t Fout, double neg_lr, int64_t sum_block) { \
     return fc_bwd_sgd<T>(x, g, w, bias, r, gx, K, B, Fin, Fout, static_cast<T>(neg_lr), sum_block);        \
   }
+
+// float32 only (the engine's float64 runs keep the torch ops); exp and log: ATen's SLEEF functions for this
+// variant's vector width. -1: rows longer than a vector; -2: a target out of range (nothing written past it).
+int dropfl_log_softmax_nll_f32(const float* x, const int64_t* target, const float* dloss, float* ce, float* gi,
+                               int64_t R, int64_t D, void* vexp, void* vlog) {
+  return log_softmax_nll<float>(x, target, dloss, ce, gi, R, D, reinterpret_cast<vfun<float>>(vexp),
+                                reinterpret_cast<vfun<float>>(vlog));
+}
 
 DROPFL_ENTRY(float, f32)
 DROPFL_ENTRY(double, f64)
