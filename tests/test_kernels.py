@@ -143,7 +143,8 @@ def _raw_outputs(variant: str, ins: list[torch.Tensor]) -> bytes:
         out += [y, arg[:-64], gw, gb, y2, arg2, gh[:h.numel()], gw2, gb2]
     y = torch.empty(b * ((hh - 4) // 2) * ((ww - 4) // 2) * k * o)
     arg = torch.empty(y.numel(), dtype=torch.uint8)
-    lib.dropfl_conv_pool_fwd_lanes_f32(*[t.data_ptr() for t in (x, rows, w, bias, y, arg)], b, hh, ww, k, cin, o, 5, 5)
+    lib.dropfl_conv_pool_fwd_lanes_f32(*[t.data_ptr() for t in (xs, rows, w, bias, y, arg)], b, hh, ww, k, cin, o, 5,
+                                       5)
     out += [y, arg]
     return b"".join(t.numpy().tobytes() for t in out)
 
@@ -566,8 +567,8 @@ def test_prepared_layers_give_the_functions_bits(cin: int, side: int, b: int, dt
     """`LeNetLayers` (the step by hand's calls, prepared once) computes what `conv_pool_fwd`, `conv2_pool_fwd`,
     `conv2_pool_bwd` and `conv_pool_bwd` compute in client-major layouts, bit for bit, step after step in its reused
     buffers, with all clients and with a prefix of them (clients that have finished); it refuses rows out of range
-    and shapes it was not made for. Its first layer's forward is another kernel (`forward_lanes`: a client's samples
-    in the vector lanes, from the images themselves): its outputs and window indices are compared directly, with
+    and shapes it was not made for. Its first layer's forward is another kernel where a batch fills the vector lanes
+    (`forward_lanes`: a client's samples in the lanes): its outputs and window indices are compared directly, with
     batches of fewer samples than lanes (5) and of several lane groups and a partial one (37)."""
     g = torch.Generator().manual_seed(5)
     k, n, o = 4, 30, 6

@@ -167,9 +167,9 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     no longer reads the parameter (its SGD update, while the gradient is still in cache: the same update on the
     same values as after the step). `sgd(name, x, g)`, if given (with `apply`, plain SGD), makes a fully connected
     weight's gradient xᵀ·g and its SGD step in one pass (`kernels.fc_sgd`) and says whether it did; that weight's
-    gradient is then None. `fc` (with `apply` and `sgd`: plain SGD at one lr), where given, runs the fully connected
-    layers, their gradients and their steps as native kernels with those ops' bits (`kernels.FcLayers`): their
-    gradients are then None."""
+    gradient is then None. `fc`, where given, runs the fully connected layers' forward and the loss as native kernels
+    with those ops' bits (`kernels.FcLayers`), and with `fc.steps` (plain SGD at one lr, with `apply` and `sgd`) their
+    gradients and steps too: those gradients are then None."""
     def done(*names: str) -> None:
         if apply is not None:
             for n in names:
@@ -194,28 +194,29 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     w1, w2, w3 = p["fc1.weight"], p["fc2.weight"], p["fc3.weight"]   # held transposed: [K, in, out]
     if fc is not None:   # baddbmm and relu, layer by layer, in one native call each (the same bits)
         logits = fc.forward(h2, k)
+        r1, r2 = fc.relu_out(0, k), fc.relu_out(1, k)
     else:
         r1 = torch.relu(torch.baddbmm(p["fc1.bias"].unsqueeze(1), h2, w1))
         r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
         logits = torch.baddbmm(p["fc3.bias"].unsqueeze(1), r2, w3)
     # F.cross_entropy(reduction="none") = nll_loss(log_softmax(x, 1)); then each client's mean over its real rows
     target = st.y.reshape(-1)
+    # backward, node by node as autograd runs it: sum → div → sum(1) → mul → nll_loss → log_softmax → fc3 ...
+    # (torch.ones(k) / size).unsqueeze(1).expand(k, b) * weight, made for every step at once by `Group._steps`
     if fc is not None:   # the loss and its gradient down to the logits (`kernels.FcLayers.loss`: the same ops' bits)
         ce, g = fc.loss(logits, target, st.dloss.reshape(-1), k)
         loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
-        gin = fc.backward(g, k)   # every fully connected layer's gradients and steps (`back`, `done` below)
-        grads: dict[str, torch.Tensor | None] = dict.fromkeys(
-            ("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
-        return _conv_grads(layers, gin, k, grads, done, loss)
-    lsm = torch.log_softmax(logits.reshape(k * b, -1), 1)
-    ce, total_weight = torch.ops.aten.nll_loss_forward(lsm, target, None, 0, -100)
-    size = st.size.to(ce.dtype)
-    loss = (ce.view(k, b) * st.weight).sum(1) / size
-    # backward, node by node as autograd runs it: sum → div → sum(1) → mul → nll_loss → log_softmax → fc3 ...
-    # (torch.ones(k) / size).unsqueeze(1).expand(k, b) * weight, made for every step at once by `Group._steps`
-    g = st.dloss
-    g = torch.ops.aten.nll_loss_backward(g.reshape(-1), lsm, target, None, 0, -100, total_weight)
-    g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
+        if fc.steps:   # every fully connected layer's gradients and steps (`back`, `done` below), natively
+            gin = fc.backward(g, k)
+            grads: dict[str, torch.Tensor | None] = dict.fromkeys(
+                ("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
+            return _conv_grads(layers, gin, k, grads, done, loss)
+    else:
+        lsm = torch.log_softmax(logits.reshape(k * b, -1), 1)
+        ce, total_weight = torch.ops.aten.nll_loss_forward(lsm, target, None, 0, -100)
+        loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
+        g = torch.ops.aten.nll_loss_backward(st.dloss.reshape(-1), lsm, target, None, 0, -100, total_weight)
+        g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
     grads = {"fc3.bias": g.sum(1)}   # baddbmm: the bias's is sum_to(grad)
     g, grads["fc3.weight"] = back("fc3.weight", r2, g, w3, r2)
     done("fc3.bias", "fc3.weight")
@@ -512,10 +513,11 @@ class Group:
                     layers = kernels.LeNetLayers(self.native, self.x_all, self.x_split, params["conv1.weight"],
                                                  params["conv1.bias"], params["conv2.weight"], params["conv2.bias"],
                                                  step.rows.shape[1])
-                    # plain SGD: the fully connected layers natively too, where their bits are the torch ops'
-                    fc = (kernels.FcLayers.make(self.native, [params[f"fc{i}.weight"] for i in (1, 2, 3)],
-                                                [params[f"fc{i}.bias"] for i in (1, 2, 3)], step.rows.shape[1],
-                                                neg_lr[0]) if in_step and plain_sgd else None)
+                    # the fully connected layers' forward and the loss natively too, where their bits are the torch
+                    # ops', and with plain SGD in the step their backward and steps
+                    fc = kernels.FcLayers.make(self.native, [params[f"fc{i}.weight"] for i in (1, 2, 3)],
+                                               [params[f"fc{i}.bias"] for i in (1, 2, 3)], step.rows.shape[1],
+                                               neg_lr[0] if in_step and plain_sgd else None)
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split, layers=layers)
                 loss, by_name = _lenet_step(z, apply if in_step else None, sgd if in_step and plain_sgd else None,
                                             fc)

@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   }
   std::vector<float> y(B * Hp * Wp * K * O);
   std::vector<uint8_t> arg(K * B * O * Hp * Wp);
-  dropfl_conv_pool_fwd_lanes_f32(x.data(), rows.data(), w.data(), bias.data(), y.data(), arg.data(), B, H, W, K, Cin,
+  dropfl_conv_pool_fwd_lanes_f32(xs.data(), rows.data(), w.data(), bias.data(), y.data(), arg.data(), B, H, W, K, Cin,
                                  O, 5, 5);
   put(out, y); put(out, arg);
   std::fclose(out);

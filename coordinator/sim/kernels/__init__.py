@@ -462,7 +462,7 @@ class LeNetLayers:
         kk, o1, _, r, s = w1.shape
         o2 = w2.shape[1]
         if not (w1.is_contiguous() and b1.is_contiguous() and w2.is_contiguous() and b2.is_contiguous()
-                and x_all.is_contiguous() and x_split.is_contiguous() and w2.shape[2] == o1
+                and x_split.is_contiguous() and w2.shape[2] == o1
                 and b1.shape == (kk, o1) and b2.shape == (kk, o2)
                 and inner_fits(o1, o2, tuple(w2.shape[3:]), dt)
                 and x_split.shape == (n_all, _entry(lib, "split_size", dt)(h, wd, cin, s))):
@@ -474,9 +474,9 @@ class LeNetLayers:
         self.n_all, self.b, self.k_all = n_all, batch, kk
         self.dims1 = (batch, h, wd, cin, o1, r, s)       # conv_pool_fwd's dims but K (passed per call)
         self.dims2 = (batch, hp, wp, o1, o2, r2, s2)
-        # The first layer's forward: with a client's samples in the vector lanes (`forward_lanes`, reading the images
-        # themselves) where a batch fills at least as many lanes as a pooled row's columns do (the column form:
-        # conv_pool_fwd's client-major forward on the split images), else the column form; the same bits either way.
+        # The first layer's forward: with a client's samples in the vector lanes (`forward_lanes`) where a batch fills
+        # at least as many lanes as a pooled row's columns do, else the column form (conv_pool_fwd's client-major
+        # forward); both read the split images, and give the same bits.
         # Measured alone (15 clients, avx512, float32, ms, columns vs lanes): batch 10 0.33 vs 0.38, 12 0.41 vs
         # 0.39, 16 0.56 vs 0.40, 20 0.67 vs 0.78, 32 1.10 vs 0.82, 50 1.68 vs 1.56.
         lanes = {"avx512": 64, "avx2": 32}.get(variant or chosen(), 16) // torch.empty(0, dtype=dt).element_size()
@@ -486,8 +486,8 @@ class LeNetLayers:
         self.fwd1_fn = _entry(lib, "conv_pool_fwd_lanes" if self.lanes else "conv_pool_fwd", dt)
         self.bwd1_fn = _entry(lib, "conv_pool_bwd", dt)
         self.fwd2_fn, self.bwd2_fn = _entry(lib, "conv2_pool_fwd", dt), _entry(lib, "conv2_pool_bwd", dt)
-        self.tensors = (x_all, x_split, w1, b1, w2, b2)    # kept alive: their pointers below are used every step
-        self.x, self.xs, self.w1, self.b1, self.w2, self.b2 = (t.data_ptr() for t in self.tensors)
+        self.tensors = (x_split, w1, b1, w2, b2)    # kept alive: their pointers below are used every step
+        self.xs, self.w1, self.b1, self.w2, self.b2 = (t.data_ptr() for t in self.tensors)
         # every output for all K clients; a step of k clients uses the first k rows of each (contiguous prefixes)
         self.y1 = torch.empty((kk, batch, hp, wp, o1), dtype=dt)
         self.arg1 = _padded((kk, batch, o1, hp, wp), torch.uint8)
@@ -525,7 +525,7 @@ class LeNetLayers:
         self._check_rows(rows)
         b, h, wd, cin, o, r, s = self.dims1
         if self.lanes:
-            self.fwd1_fn(self.x, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
+            self.fwd1_fn(self.xs, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
                          b, h, wd, k, cin, o, r, s)
         else:
             self.fwd1_fn(self.xs, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
@@ -844,10 +844,10 @@ def loss_exact(variant: str, classes: int) -> bool:
 
 class FcLayers:
     """The LeNet step by hand's fully connected layers (`batched._lenet_step`: relu between them, none after the
-    last) with plain SGD at one lr, prepared once per `Group.train`: the forward of every layer (`fc_fwd`) and the
-    backward of every layer with its weight's and bias's steps (`fc_bwd_sgd`), in place, instead of ~20 torch ops a
-    step. The same bits as those ops (each layer's shape checked once: `fc_layer_exact`); `make` returns None where
-    a layer's is not exact, and the step keeps the torch ops.
+    last), prepared once per `Group.train`: the forward of every layer (`fc_fwd`), the loss (`loss`) and, with plain
+    SGD at one lr (`neg_lr` given: `steps`), the backward of every layer with its weight's and bias's steps
+    (`fc_bwd_sgd`) in place, instead of ~25 torch ops a step. The same bits as those ops (each layer's shape checked
+    once: `fc_layer_exact`); `make` returns None where a layer's is not exact, and the step keeps the torch ops.
 
     ws [K, in, out] (the engine's transposed weights) and bs [K, out], the parameter stacks of all K clients, in
     order; their memory must stay where it is (the engine updates them in place). A step of the first k clients uses
@@ -855,7 +855,7 @@ class FcLayers:
 
     @staticmethod
     def make(variant: str | None, ws: list[torch.Tensor], bs: list[torch.Tensor], batch: int,
-             neg_lr: float) -> FcLayers | None:
+             neg_lr: float | None) -> FcLayers | None:
         variant = variant or chosen()
         if not ws or len(ws) != len(bs) or not all(w.dim() == 3 and w.is_contiguous() for w in ws):
             return None
@@ -865,8 +865,8 @@ class FcLayers:
         native_loss = ws[0].dtype == torch.float32 and loss_exact(variant, ws[-1].shape[2])
         return FcLayers(variant, ws, bs, batch, neg_lr, blocks, native_loss)
 
-    def __init__(self, variant: str, ws: list[torch.Tensor], bs: list[torch.Tensor], batch: int, neg_lr: float,
-                 blocks: list[int], native_loss: bool = False):
+    def __init__(self, variant: str, ws: list[torch.Tensor], bs: list[torch.Tensor], batch: int,
+                 neg_lr: float | None, blocks: list[int], native_loss: bool = False):
         lib, dt = _lib(variant), ws[0].dtype
         _check_dtypes("FcLayers", *ws, *bs)
         kk = ws[0].shape[0]
@@ -882,6 +882,7 @@ class FcLayers:
         self.b = [b.data_ptr() for b in bs]
         self.dims = [(w.shape[1], w.shape[2]) for w in ws]
         self.blocks, self.batch, self.k_all, self.neg_lr = blocks, batch, kk, neg_lr
+        self.steps = neg_lr is not None   # the backward and plain SGD steps here (else the caller's torch ops)
         self.out = [torch.empty(kk, batch, fout, dtype=dt) for _, fout in self.dims]    # each layer's output
         self.gin = [torch.empty(kk, batch, fin, dtype=dt) for fin, _ in self.dims]      # each layer's input gradient
         self.x0: torch.Tensor | None = None
@@ -893,7 +894,8 @@ class FcLayers:
         self.ce, self.g = torch.empty(kk * batch, dtype=dt), torch.empty(kk, batch, classes, dtype=dt)
 
     def forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        """The layers on x [k, B, in] (contiguous): the last layer's output [k, B, out] (the logits)."""
+        """The layers on x [k, B, in] (contiguous): the last layer's output [k, B, out] (the logits); `relu_out`
+        then gives the layers' relu'd outputs, the next layers' inputs."""
         if x.shape != (k, self.batch, self.dims[0][0]) or not x.is_contiguous() or not 0 < k <= self.k_all:
             raise ValueError(f"FcLayers: x {tuple(x.shape)} for {k} clients: need contiguous "
                              f"[{k}, {self.batch}, {self.dims[0][0]}], at most {self.k_all} clients")
@@ -924,10 +926,16 @@ class FcLayers:
                              "FcLayers.loss: the kernel refused the shape")
         return ce, g
 
+    def relu_out(self, i: int, k: int) -> torch.Tensor:
+        """Layer i's output [k, B, out] of the last `forward` (relu'd for every layer but the last)."""
+        return self.out[i][:k]
+
     def backward(self, g: torch.Tensor, k: int) -> torch.Tensor:
         """After `forward` of the same k clients: from the logits' gradient g [k, B, out], every layer's weight and
         bias stepped in place (w ← w − lr·∇w, b ← b − lr·∇b, reading each weight for its input gradient first) and
         the first layer's input gradient [k, B, in] returned."""
+        if self.neg_lr is None:
+            raise RuntimeError("FcLayers.backward: made without an lr (the caller's update runs the torch ops)")
         g = g.contiguous()
         last = len(self.dims) - 1
         if g.shape != (k, self.batch, self.dims[last][1]) or self.x0 is None or self.x0.shape[0] != k:

@@ -377,7 +377,8 @@ void backward(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg,
 // b0 + l of a client's batch instead of one pooled column. Every lane carries work (a LeNet's 12 pooled columns
 // filled 12 of AVX-512's 16 float lanes) and every input is one aligned vector load (the column form's loads started
 // at every float offset, most of them split across two cache lines). The price is three transposes per group of L
-// samples, done in registers L×L at a time: the samples' images into xt [pixel][lane], and the pooled values and
+// samples, done in registers L×L at a time: the samples' split images (as `forward` reads them, so that the backward
+// finds them in cache) into xt [split value][lane], and the pooled values and
 // window indices, staged as [element][lane], out to y [K, B, Hp, Wp, O] and arg [K, B, O, Hp, Wp] (the layouts
 // the second layer and `backward` read). Lanes past the batch compute on a copy of lane 0's image and are not stored.
 
@@ -440,15 +441,15 @@ void transpose_in(const E* const img[L], int64_t M, E* dst) {
     for (int l = 0; l < L; ++l) dst[m * L + l] = img[l][m];
 }
 
-// x [N, Cin, H, W] the images themselves (not split); rows, w, bias as `forward`; y [K, B, Hp, Wp, O] and
-// arg [K, B, O, Hp, Wp] as `forward`'s client-major layouts. RS: the kernel's size when it is RS × RS, known at
-// compile time (the taps' loops unrolled: the LeNets' 5 × 5), or 0.
+// xs, rows, w, bias as `forward` (the split images: the backward then finds the step's images in cache); y [K, B,
+// Hp, Wp, O] and arg [K, B, O, Hp, Wp] as `forward`'s client-major layouts. RS: the kernel's size when it is RS × RS,
+// known at compile time (the taps' loops unrolled: the LeNets' 5 × 5), or 0.
 template <typename T, int OB, int RS>
-void forward_lanes(const T* x, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg, const Shape& s) {
+void forward_lanes(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg, const Shape& s) {
   typedef typename V<T>::type vec;
   constexpr int L = V<T>::L;
   typedef typename Indices<L>::bytes bytes;
-  const int64_t pix = s.Cin * s.H * s.W, plane = s.Hp * s.Wp, my = plane * s.O;
+  const int64_t pix = split_size(s), plane = s.Hp * s.Wp, my = plane * s.O;   // pix: a split image's values
   const int64_t R = RS ? RS : s.R, S = RS ? RS : s.S;
   std::vector<vec> xt(pix), yt(my);
   std::vector<bytes> at(my);
@@ -456,7 +457,7 @@ void forward_lanes(const T* x, const int64_t* rows, const T* w, const T* bias, T
     for (int64_t b0 = 0; b0 < s.B; b0 += L) {
       const int64_t nb = s.B - b0 < L ? s.B - b0 : L;
       const T* img[L];
-      for (int l = 0; l < L; ++l) img[l] = x + rows[k * s.B + b0 + (l < nb ? l : 0)] * pix;
+      for (int l = 0; l < L; ++l) img[l] = xs + rows[k * s.B + b0 + (l < nb ? l : 0)] * pix;
       transpose_in<T, L>(img, pix, reinterpret_cast<T*>(xt.data()));
       for (int64_t i = 0; i < s.Hp; ++i)
         for (int64_t j = 0; j < s.Wp; ++j)
@@ -468,9 +469,12 @@ void forward_lanes(const T* x, const int64_t* rows, const T* w, const T* bias, T
             for (int64_t ci = 0; ci < s.Cin; ++ci)
               for (int64_t r = 0; r < R; ++r)
                 for (int64_t q = 0; q < S; ++q) {
-                  // window position p = 2a + c: the conv output at (2i + a, 2j + c), whose tap reads (2i+a+r, 2j+c+q)
-                  const vec* x0 = xt.data() + (ci * s.H + 2 * i + r) * s.W + 2 * j + q;
-                  const vec xv[4] = {x0[0], x0[1], x0[s.W], x0[s.W + 1]};
+                  // window position p = 2a + c: the conv output at (2i + a, 2j + c), whose tap reads row 2i+a+r,
+                  // column 2j+c+q: in the split image, [j + (c+q)/2] of that row's even or odd half (`window_inputs`)
+                  const vec* x0 = xt.data() + (ci * s.H + 2 * i + r) * 2 * s.PW + j;
+                  const vec* h0 = x0 + (q & 1) * s.PW + (q >> 1);              // c = 0: column q
+                  const vec* h1 = x0 + ((q + 1) & 1) * s.PW + ((q + 1) >> 1);  // c = 1: column q + 1
+                  const vec xv[4] = {h0[0], h1[0], h0[2 * s.PW], h1[2 * s.PW]};
                   const T* wt = wk + (ci * R + r) * S + q;
                   for (int o = 0; o < OB; ++o)
                     for (int p = 0; p < 4; ++p) acc[p][o] += xv[p] * wt[o * s.taps];
@@ -1226,14 +1230,14 @@ extern "C" {
     s.cm = layout != 0;                                                                                    \
     with_block(O, [&](auto ob) { forward<T, decltype(ob)::value>(xs, rows, w, bias, y, arg, s); });     \
   }                                                                                                        \
-  void dropfl_conv_pool_fwd_lanes_##suffix(const T* x, const int64_t* rows, const T* w, const T* bias, T* y,   \
+  void dropfl_conv_pool_fwd_lanes_##suffix(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y,  \
                                            uint8_t* arg, int64_t B, int64_t H, int64_t W, int64_t K,         \
                                            int64_t Cin, int64_t O, int64_t R, int64_t S) {                  \
     Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                                     \
     s.cm = true;                                                                                           \
     with_block(O, [&](auto ob) {                                                                           \
-      if (R == 5 && S == 5) forward_lanes<T, decltype(ob)::value, 5>(x, rows, w, bias, y, arg, s);         \
-      else forward_lanes<T, decltype(ob)::value, 0>(x, rows, w, bias, y, arg, s);                          \
+      if (R == 5 && S == 5) forward_lanes<T, decltype(ob)::value, 5>(xs, rows, w, bias, y, arg, s);        \
+      else forward_lanes<T, decltype(ob)::value, 0>(xs, rows, w, bias, y, arg, s);                         \
     });                                                                                                    \
   }                                                                                                        \
   void dropfl_conv_pool_bwd_##suffix(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg, \
