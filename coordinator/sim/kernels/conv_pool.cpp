@@ -218,6 +218,14 @@ inline bool any_routed(const uint8_t* a, int64_t n) {
   return bits != 0;
 }
 
+// The first layer's accumulators of a window's 4 conv outputs x OB channels, each starting at its channel's bias: the
+// start of every output's sum in both forwards (`forward`, `forward_lanes`), which add the taps in the same order.
+template <typename T, int OB>
+inline void bias_acc(typename V<T>::type acc[4][OB], const T* bias) {
+  for (int o = 0; o < OB; ++o)
+    for (int p = 0; p < 4; ++p) acc[p][o] = typename V<T>::type{} + bias[o];
+}
+
 // OB output channels per register block (4*OB accumulators + 4 inputs must fit the vector registers:
 // `with_block`).
 template <typename T, int OB>
@@ -256,8 +264,7 @@ void forward(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y, 
          for (int64_t o0 = 0; o0 < s.O; o0 += OB) {
           const T* wk = w + (k * s.O + o0) * s.taps;
           vec acc[4][OB];  // [window position][output channel of the block]
-          for (int o = 0; o < OB; ++o)
-            for (int p = 0; p < 4; ++p) acc[p][o] = vec{} + bias[k * s.O + o0 + o];
+          bias_acc<T, OB>(acc, bias + k * s.O + o0);
           for (int64_t ci = 0; ci < s.Cin; ++ci)
             for (int64_t r = 0; r < s.R; ++r)
               for (int64_t q = 0; q < s.S; ++q) {
@@ -464,8 +471,7 @@ void forward_lanes(const T* xs, const int64_t* rows, const T* w, const T* bias, 
           for (int64_t o0 = 0; o0 < s.O; o0 += OB) {
             const T* wk = w + (k * s.O + o0) * s.taps;
             vec acc[4][OB];  // [window position][output channel of the block]
-            for (int o = 0; o < OB; ++o)
-              for (int p = 0; p < 4; ++p) acc[p][o] = vec{} + bias[k * s.O + o0 + o];
+            bias_acc<T, OB>(acc, bias + k * s.O + o0);   // then the taps in `forward`'s order
             for (int64_t ci = 0; ci < s.Cin; ++ci)
               for (int64_t r = 0; r < R; ++r)
                 for (int64_t q = 0; q < S; ++q) {
