@@ -442,8 +442,9 @@ def conv2_pool_relu(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int
 
 class LeNetLayers:
     """The LeNet step by hand's four fused-layer calls (`batched._lenet_step`), prepared once per `Group.train`:
-    the same kernels on the same operands as `conv_pool_fwd(..., client_major=True)`, `conv2_pool_fwd(...,
-    client_major=True)`, `conv2_pool_bwd` and `conv_pool_bwd`, so the same bits, but the entry points, dims and
+    the same kernels on the same operands as `conv_pool_fwd(..., client_major=True)` (or, where a batch fills the
+    vector lanes, `forward_lanes`: the same bits), `conv2_pool_fwd(..., client_major=True)`, `conv2_pool_bwd` and
+    `conv_pool_bwd`, so the same bits, but the entry points, dims and
     checks are made here once, and the outputs go to buffers made here once and reused by every step (a step's
     outputs are read within that step only). Those functions' checks, allocations and look-ups took ~60 µs of
     Python per step, ~1.5 % of a 15-client mimic-cnn step (measured with 1-sample calls: 12-25 µs each).
