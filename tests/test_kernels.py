@@ -412,7 +412,7 @@ def test_a_linear_weights_gradient_and_step_in_one_pass_give_the_torch_ops_bits(
     batch, so a change of the kernel's order fails here instead of quietly falling back."""
     gen = torch.Generator().manual_seed(11)
     as_int = torch.int32 if dtype == torch.float32 else torch.int64
-    lanes = {"avx512": 64, "avx2": 32}.get(variant, 16) // torch.empty(0, dtype=dtype).element_size()
+    lanes = kernels.VECTOR_BYTES[variant] // torch.empty(0, dtype=dtype).element_size()
     for b, fin, fout in [(16, 256, 120), (8, 120, 84), (1, 256, 120), (2, 120, 84), (7, 400, 120), (16, 84, 10),
                          (17, 30, 33), (33, 17, 64), (5, 9, 3)]:
         x = torch.relu(torch.randn(4, b, fin, generator=gen, dtype=dtype))

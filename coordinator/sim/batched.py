@@ -205,18 +205,16 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     # (torch.ones(k) / size).unsqueeze(1).expand(k, b) * weight, made for every step at once by `Group._steps`
     if fc is not None:   # the loss and its gradient down to the logits (`kernels.FcLayers.loss`: the same ops' bits)
         ce, g = fc.loss(logits, target, st.dloss.reshape(-1), k)
-        loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
-        if fc.steps:   # every fully connected layer's gradients and steps (`back`, `done` below), natively
-            gin = fc.backward(g, k)
-            grads: dict[str, torch.Tensor | None] = dict.fromkeys(
-                ("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
-            return _conv_grads(layers, gin, k, grads, done, loss)
     else:
         lsm = torch.log_softmax(logits.reshape(k * b, -1), 1)
         ce, total_weight = torch.ops.aten.nll_loss_forward(lsm, target, None, 0, -100)
-        loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
         g = torch.ops.aten.nll_loss_backward(st.dloss.reshape(-1), lsm, target, None, 0, -100, total_weight)
         g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
+    loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
+    grads: dict[str, torch.Tensor | None]
+    if fc is not None and fc.steps:   # every fully connected layer's gradients and steps (`back`, `done`), natively
+        grads = dict.fromkeys(("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
+        return _conv_grads(layers, fc.backward(g, k), k, grads, done, loss)
     grads = {"fc3.bias": g.sum(1)}   # baddbmm: the bias's is sum_to(grad)
     g, grads["fc3.weight"] = back("fc3.weight", r2, g, w3, r2)
     done("fc3.bias", "fc3.weight")

@@ -52,6 +52,8 @@ VARIANTS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma", "-mno-avx512f"],
     "generic": [],
 }
+# Each variant's vector width in bytes (conv_pool.cpp's VB: 16 for generic, SSE2 or NEON).
+VECTOR_BYTES: dict[str, int] = {"avx512": 64, "avx2": 32, "generic": 16}
 _X86_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
 ENV = "DROPFL_KERNEL"
 _lock = threading.Lock()
@@ -181,13 +183,12 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                 fn.argtypes, fn.restype = [ptr, i64, i64, i64, i64, i64, ptr], None
                 fn = getattr(lib, f"dropfl_fc_sgd_{suffix}")
                 fn.argtypes, fn.restype = [ptr] * 3 + [i64] * 4 + [ctypes.c_double], ctypes.c_int
-                if suffix == "f32":   # x, target, dloss, ce, gi, R, D, exp, log
-                    fn = lib.dropfl_log_softmax_nll_f32
-                    fn.argtypes, fn.restype = [ptr] * 5 + [i64] * 2 + [ptr] * 2, ctypes.c_int
                 fn = getattr(lib, f"dropfl_fc_fwd_{suffix}")   # x, w, bias, y, K, B, Fin, Fout, relu
                 fn.argtypes, fn.restype = [ptr] * 4 + [i64] * 5, None
                 fn = getattr(lib, f"dropfl_fc_bwd_sgd_{suffix}")   # x, g, w, bias, r, gx, K, B, Fin, Fout, lr, block
                 fn.argtypes, fn.restype = [ptr] * 6 + [i64] * 4 + [ctypes.c_double, i64], ctypes.c_int
+            fn = lib.dropfl_log_softmax_nll_f32   # float32 only: x, target, dloss, ce, gi, R, D, exp, log
+            fn.argtypes, fn.restype = [ptr] * 5 + [i64] * 2 + [ptr] * 2, ctypes.c_int
             _libs[variant] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _errors[variant] = str(e)
@@ -480,11 +481,12 @@ class LeNetLayers:
         # forward); both read the split images, and give the same bits.
         # Measured alone (15 clients, avx512, float32, ms, columns vs lanes): batch 10 0.33 vs 0.38, 12 0.41 vs
         # 0.39, 16 0.56 vs 0.40, 20 0.67 vs 0.78, 32 1.10 vs 0.82, 50 1.68 vs 1.56.
-        lanes = {"avx512": 64, "avx2": 32}.get(variant or chosen(), 16) // torch.empty(0, dtype=dt).element_size()
+        lanes = VECTOR_BYTES[variant or chosen()] // torch.empty(0, dtype=dt).element_size()
         fill_lanes = batch / (-(-batch // lanes) * lanes)
         fill_cols = wp / (-(-wp // lanes) * lanes)
         self.lanes = fill_lanes >= fill_cols
         self.fwd1_fn = _entry(lib, "conv_pool_fwd_lanes" if self.lanes else "conv_pool_fwd", dt)
+        self.fwd1_layout = () if self.lanes else (1,)   # the column form's client-major layout argument
         self.bwd1_fn = _entry(lib, "conv_pool_bwd", dt)
         self.fwd2_fn, self.bwd2_fn = _entry(lib, "conv2_pool_fwd", dt), _entry(lib, "conv2_pool_bwd", dt)
         self.tensors = (x_split, w1, b1, w2, b2)    # kept alive: their pointers below are used every step
@@ -525,12 +527,8 @@ class LeNetLayers:
                              f"at most {self.k_all} clients")
         self._check_rows(rows)
         b, h, wd, cin, o, r, s = self.dims1
-        if self.lanes:
-            self.fwd1_fn(self.xs, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
-                         b, h, wd, k, cin, o, r, s)
-        else:
-            self.fwd1_fn(self.xs, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
-                         b, h, wd, k, cin, o, r, s, 1)
+        self.fwd1_fn(self.xs, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
+                     b, h, wd, k, cin, o, r, s, *self.fwd1_layout)
         self.rows = rows    # the backward reads the same rows
         return self.views(k)[0]
 
@@ -804,9 +802,11 @@ def _torch_loss(logits: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor)
 def _sleef(variant: str) -> tuple[int, int] | None:
     """The addresses of the SLEEF exp and log that ATen's vectorised kernels call, for `variant`'s float vector
     width (exported by libtorch_cpu), or None where they are not found."""
-    width = {"avx512": 16, "avx2": 8}.get(variant)
+    if variant not in ("avx512", "avx2"):   # SLEEF's x86 exp and log of 16 and 8 floats
+        return None
+    width = VECTOR_BYTES[variant] // 4
     lib_path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    if width is None or not os.path.exists(lib_path):
+    if not os.path.exists(lib_path):
         return None
     try:
         tl = ctypes.CDLL(lib_path)
@@ -883,7 +883,6 @@ class FcLayers:
         self.b = [b.data_ptr() for b in bs]
         self.dims = [(w.shape[1], w.shape[2]) for w in ws]
         self.blocks, self.batch, self.k_all, self.neg_lr = blocks, batch, kk, neg_lr
-        self.steps = neg_lr is not None   # the backward and plain SGD steps here (else the caller's torch ops)
         self.out = [torch.empty(kk, batch, fout, dtype=dt) for _, fout in self.dims]    # each layer's output
         self.gin = [torch.empty(kk, batch, fin, dtype=dt) for fin, _ in self.dims]      # each layer's input gradient
         self.x0: torch.Tensor | None = None
@@ -893,6 +892,11 @@ class FcLayers:
         self.sleef = _sleef(variant) if native_loss else None
         classes = self.dims[-1][1]
         self.ce, self.g = torch.empty(kk * batch, dtype=dt), torch.empty(kk, batch, classes, dtype=dt)
+
+    @property
+    def steps(self) -> bool:
+        """Whether the backward and its plain SGD steps run here (made with an lr), else the caller's torch ops."""
+        return self.neg_lr is not None
 
     def forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """The layers on x [k, B, in] (contiguous): the last layer's output [k, B, out] (the logits); `relu_out`
@@ -935,7 +939,7 @@ class FcLayers:
         """After `forward` of the same k clients: from the logits' gradient g [k, B, out], every layer's weight and
         bias stepped in place (w ← w − lr·∇w, b ← b − lr·∇b, reading each weight for its input gradient first) and
         the first layer's input gradient [k, B, in] returned."""
-        if self.neg_lr is None:
+        if not self.steps:
             raise RuntimeError("FcLayers.backward: made without an lr (the caller's update runs the torch ops)")
         g = g.contiguous()
         last = len(self.dims) - 1

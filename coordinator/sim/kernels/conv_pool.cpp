@@ -832,6 +832,19 @@ constexpr int DW_NB = REGS == 32 ? 4 : 2;    // vectors of columns per register 
 template <typename T>
 using Lanes = decltype(typename V<T>::type{} < typename V<T>::type{});   // the comparisons' integer vector
 
+// The lane numbers 0..L-1 as the comparisons' integer vector (`store_first`'s shuffles, masks by lane).
+template <typename T>
+inline Lanes<T> lane_numbers() {
+  Lanes<T> lane{};
+  for (int l = 0; l < V<T>::L; ++l) lane[l] = l;
+  return lane;
+}
+
+// Output columns in vectors: vector j covers columns [n0(j), n0(j) + L). Where Fout >= L the last vector overlaps
+// the one before it (it starts at Fout - L: the overlapping lanes compute the same values again); where Fout < L
+// there is one vector of Fout lanes.
+inline int64_t col_start(int64_t j, int64_t L, int64_t Fout) { return Fout >= L ? std::min(j * L, Fout - L) : 0; }
+
 template <typename T, int MB, int NB>
 void dw_block(const T* x, const T* g, T* w, int64_t B, int64_t Fin, int64_t Fout, int64_t i0, int64_t v0, T neg_lr,
               const Lanes<T>& lane) {
@@ -841,7 +854,7 @@ void dw_block(const T* x, const T* g, T* w, int64_t B, int64_t Fin, int64_t Fout
   int64_t n0[NB];
   Lanes<T> keep[NB];   // lanes a previous vector already covers (the overlapping last vector of a row)
   for (int j = 0; j < NB; ++j) {
-    n0[j] = std::min((v0 + j) * L, Fout - L);
+    n0[j] = col_start(v0 + j, L, Fout);
     keep[j] = lane < static_cast<ilane>((v0 + j) * L - n0[j]);
   }
   vec acc[MB][NB];
@@ -889,8 +902,7 @@ template <typename T>
 int fc_sgd(const T* x, const T* g, T* w, int64_t K, int64_t B, int64_t Fin, int64_t Fout, T neg_lr) {
   constexpr int L = V<T>::L;
   if (Fout < L) return -1;
-  Lanes<T> lane;
-  for (int l = 0; l < L; ++l) lane[l] = l;
+  const Lanes<T> lane = lane_numbers<T>();
   for (int64_t k = 0; k < K; ++k)
     dw_cols<T, DW_NB>(x + k * B * Fin, g + k * B * Fout, w + k * Fin * Fout, B, Fin, Fout, 0, (Fout + L - 1) / L,
                       neg_lr, lane);
@@ -903,7 +915,7 @@ int fc_sgd(const T* x, const T* g, T* w, int64_t K, int64_t B, int64_t Fin, int6
 // candidate orders against their results, as for `fc_sgd`): baddbmm's y = (Σ_i x·w as one FMA chain over i from 0)
 // + bias; bmm's g·wᵀ, one FMA chain over the outputs from 0; the bias gradient g.sum(1), ATen's reduction over the
 // batch rows (`column_sum`). That order is the libraries' behaviour, not their contract, so
-// the engine compares these kernels with the torch ops once per shape (`kernels.fc_exact`) and runs the torch ops
+// the engine compares these kernels with the torch ops once per shape (`kernels.fc_layer_exact`) and runs the torch ops
 // wherever the bits differ.
 
 // Σ_b row(b) as ATen's sum over the batch rows of a [B, Fout] gradient adds each column (measured against g.sum(1)
@@ -940,20 +952,16 @@ U column_sum(int64_t B, bool cascade, F row) {
   return U{} + a[0] + a[1] + a[2] + a[3];
 }
 
-// Loads / stores the first n (< L) lanes of a vector, the rest zero: rows narrower than a vector (mimic-cnn's fc3).
+// Loads the first n (< L) lanes of a vector, the rest zero: rows narrower than a vector (mimic-cnn's fc3; they are
+// stored back with `store_first`).
 template <typename T>
 inline typename V<T>::type load_first(const T* p, int64_t n) {
   typename V<T>::type v{};
   std::memcpy(&v, p, n * sizeof(T));
   return v;
 }
-template <typename T>
-inline void store_first_n(T* p, const typename V<T>::type& v, int64_t n) { std::memcpy(p, &v, n * sizeof(T)); }
 
-// Output columns in vectors: vector j covers columns [n0(j), n0(j) + L). Where Fout >= L the last vector overlaps
-// the one before it (it starts at Fout - L: the overlapping lanes compute the same values again); where Fout < L
-// there is one vector of Fout lanes.
-inline int64_t col_start(int64_t j, int64_t L, int64_t Fout) { return Fout >= L ? std::min(j * L, Fout - L) : 0; }
+
 
 // forward blocks: FC_MB rows x FC_NB vectors of columns (8 x 2 measured fastest of 2x8 .. 16x1 for mimic-cnn's fc1)
 constexpr int FC_MB = REGS >= 32 ? 8 : 4, FC_NB = 2;
@@ -966,13 +974,14 @@ void fc_fwd_block(const T* x, const T* w, const T* bias, T* y, int64_t Fin, int6
                   bool relu) {
   typedef typename V<T>::type vec;
   constexpr int L = V<T>::L;
+  typedef std::remove_reference_t<decltype(Lanes<T>{}[0])> ilane;
   const int64_t ws = NARROW ? L : Fout;   // NARROW: w's rows and the bias padded to L lanes
+  const Lanes<T> lane = lane_numbers<T>();
   int64_t n0[NB];
-  Lanes<T> keep[NB];   // lanes the vector before already covers (a row's overlapping last vector)
+  Lanes<T> keep[NB];   // lanes the vector before already covers (a row's overlapping last vector; none if NARROW)
   for (int j = 0; j < NB; ++j) {
     n0[j] = col_start(v0 + j, L, Fout);
-    keep[j] = Lanes<T>{};
-    for (int l = 0; l < L; ++l) keep[j][l] = NARROW ? 0 : l < (v0 + j) * L - n0[j] ? -1 : 0;
+    keep[j] = lane < static_cast<ilane>((v0 + j) * L - n0[j]);
   }
   // MKL sums a long row in balanced blocks of at most FC_KMAX (400 inputs: 2 x 200), each an FMA chain from 0
   // added to the output in turn (the bias first); the output holds the sum between blocks
@@ -998,7 +1007,7 @@ void fc_fwd_block(const T* x, const T* w, const T* bias, T* y, int64_t Fin, int6
         // in several blocks, the lanes an earlier vector covers keep what it stored (y holds partial sums: computed
         // again they would add a block twice); in one block they are computed again, the same values
         if (!NARROW && nblocks > 1) out = keep[j] ? loadu(yp) : out;
-        if (NARROW) store_first_n(yp, out, Fout);
+        if (NARROW) store_first(yp, out, Fout, lane);
         else storeu(yp, out);
       }
     }
@@ -1090,8 +1099,7 @@ int fc_bwd_sgd(const T* x, const T* g, T* w, T* bias, const T* r, T* gx, int64_t
   std::vector<T> gT(NV * Fout * L), gxT(NV * Fin * L);
   std::vector<T> gb(Fout);
   std::vector<vec> gnarrow(Fout < L ? B : 0);
-  Lanes<T> lane;
-  for (int l = 0; l < L; ++l) lane[l] = l;
+  const Lanes<T> lane = lane_numbers<T>();
   for (int64_t k = 0; k < K; ++k) {
     const T* xk = x + k * B * Fin;
     const T* gk = g + k * B * Fout;
@@ -1148,14 +1156,14 @@ int fc_bwd_sgd(const T* x, const T* g, T* w, T* bias, const T* r, T* gx, int64_t
           for (int i = 0; i < 8; ++i) acc[i] += xk[b * Fin + i0 + i] * gnarrow[b];
         for (int i = 0; i < 8; ++i) {
           const vec old = load_first(wk + (i0 + i) * Fout, Fout);
-          store_first_n(wk + (i0 + i) * Fout, acc[i] * neg_lr + old, Fout);   // fma(gradient, −lr, w)
+          store_first(wk + (i0 + i) * Fout, vec(acc[i] * neg_lr + old), Fout, lane);   // fma(gradient, −lr, w)
         }
       }
       for (; i0 < Fin; ++i0) {
         vec acc{};
         for (int64_t b = 0; b < B; ++b) acc += xk[b * Fin + i0] * gnarrow[b];
         const vec old = load_first(wk + i0 * Fout, Fout);
-        store_first_n(wk + i0 * Fout, acc * neg_lr + old, Fout);
+        store_first(wk + i0 * Fout, vec(acc * neg_lr + old), Fout, lane);
       }
     }
   }
