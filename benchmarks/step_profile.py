@@ -6,9 +6,9 @@ benchmark's workload, one worker's half) trains `--steps` steps `--calls` times 
 LeNet step by hand (`batched._lenet_step`) is timed where it runs:
 
   conv1 fwd / conv2 fwd / conv2 bwd / conv1 bwd   the four fused kernels (`kernels.LeNetLayers.fwd1` ...)
-  fc matmuls        the fully connected layers: with plain SGD where exact, `kernels.FcLayers` (every layer's forward,
-                    backward and steps in native kernels with MKL's and ATen's bits); else their batched matmuls
-                    (`torch.baddbmm`, `Tensor.bmm`: MKL), and with plain
+  fc matmuls        the fully connected layers: where exact, `kernels.FcLayers` (every layer's forward, and with
+                    plain SGD its backward and steps, in native kernels with MKL's and ATen's bits); else their
+                    batched matmuls (`torch.baddbmm`, `Tensor.bmm`: MKL), and with plain
                     SGD fc1's and fc2's weight gradient and step in one pass (`kernels.fc_sgd`, which replaces two
                     of the matmuls and those weights' `add_`)
   loss and small ops  the rest of `_lenet_step`: log-softmax, NLL, relu's and the sums' ops, the wrappers
