@@ -3,7 +3,9 @@
 `sim_throughput.py` says how far the engine is from the FLOP bound; this says where the rest goes. One slice
 of `--clients` clients (`Group.train`, 1 thread, mimic-cnn on FMNIST, batch 16, FedAvg: the throughput
 benchmark's workload, one worker's half) trains `--steps` steps `--calls` times while every part of the
-LeNet step by hand (`batched._lenet_step`) is timed where it runs:
+LeNet step by hand is timed where it runs. Where the whole step is one native call, client by client
+(`kernels.LeNetStep`: plain SGD in float32 with the native fully connected layers and loss, the default here),
+the kernel times its parts itself (`LeNetStep.time_parts`); else (`batched._lenet_step`, layer after layer):
 
   conv1 fwd / conv2 fwd / conv2 bwd / conv1 bwd   the four fused kernels (`kernels.LeNetLayers.fwd1` ...)
   fc matmuls        the fully connected layers: where exact, `kernels.FcLayers` (every layer's forward, and with
@@ -15,6 +17,10 @@ LeNet step by hand (`batched._lenet_step`) is timed where it runs:
   SGD update        each parameter's `add_` (inside the step by hand, once its gradient is final; the fully
                     connected layers' steps are in `kernels.FcLayers`, under fc matmuls, where it runs)
   step loop         the rest of `Group.train`: batch rows, labels, Python, the start and the deltas
+
+In the native call the parts are the same, with "loss and small ops" the native loss and "SGD update" the conv
+layers' steps (the fully connected layers' are under fc matmuls), and no part timed alone: every part runs on a
+client's operands in cache.
 
 Each part's FLOPs are torch's FlopCounterMode count of the reference model's step (the same count the FLOP
 bound of `sim_throughput.py` divides by), so its GFLOP/s compare with the 1-thread peak: a 2048² fp32 matmul
@@ -80,7 +86,9 @@ class Timers:
     call's arguments, for timing it alone afterwards."""
 
     def __init__(self) -> None:
-        self.ns = dict.fromkeys([*KERNELS, "fc matmuls", "lenet step", "SGD update", "update after"], 0)
+        self.ns = dict.fromkeys([*KERNELS, "fc matmuls", "lenet step", "SGD update", "update after", "native step"],
+                                0)
+        self.laps: list[torch.Tensor] = []   # the native step's part timers (`LeNetStep.time_parts`)
         self.last: dict[str, tuple] = {}
         self.undo: list[tuple[object, str, object]] = []
 
@@ -109,6 +117,14 @@ class Timers:
         self.wrap(batched, "_lenet_step", "lenet step")
         self.wrap(torch.Tensor, "add_", "SGD update")         # the step by hand's updates, inside it
         self.wrap(torch, "_foreach_add_", "update after")     # an update after the step (none expected here)
+        self.wrap(kernels.LeNetStep, "steps", "native step")   # a round's steps in one native call
+        init, laps = kernels.LeNetStep.__init__, self.laps
+
+        def timed_init(step: kernels.LeNetStep, *args, **kwargs) -> None:   # its parts timed inside the kernel
+            init(step, *args, **kwargs)
+            laps.append(step.time_parts())
+        self.undo.append((kernels.LeNetStep, "__init__", init))
+        kernels.LeNetStep.__init__ = timed_init
         return self
 
     def __exit__(self, *exc) -> None:
@@ -118,6 +134,12 @@ class Timers:
     def reset(self) -> None:
         for k in self.ns:
             self.ns[k] = 0
+        self.laps.clear()
+
+    def native_parts(self) -> dict[str, float]:
+        """Seconds per `LeNetStep.PARTS` part, over the native calls since `reset`."""
+        total = sum(self.laps, torch.zeros(len(kernels.LeNetStep.PARTS), dtype=torch.float64))
+        return dict(zip(kernels.LeNetStep.PARTS, total.tolist()))
 
 
 def alone(call: tuple, reps: int = 50) -> float:
@@ -163,20 +185,31 @@ def main() -> None:
             group.train(w, tasks)
             total = time.perf_counter_ns() - t0
             if best is None or total < best[0]:
-                best = (total, dict(timers.ns))
+                best = (total, dict(timers.ns), timers.native_parts())
         kept = dict(timers.last)
-    total, ns = best
-    ms = {p: ns[p] / 1e6 / args.steps for p in [*KERNELS, "fc matmuls", "SGD update"]}
+    total, ns, native = best
     if ns["update after"]:
         sys.exit("step_profile: error: the SGD update ran after the step (_foreach_add_), not inside the step by "
                  "hand: this profile's parts assume the latter")
-    ms["loss and small ops"] = (ns["lenet step"] - sum(ns[p] for p in KERNELS) - ns["fc matmuls"]
-                                - ns["SGD update"]) / 1e6 / args.steps
-    ms["step loop"] = (total - ns["lenet step"]) / 1e6 / args.steps
+    one_call = ns["native step"] > 0
+    if one_call:   # the whole step in one native call: its parts as the kernel timed them
+        ms = {p: native[n] * 1e3 / args.steps for p, n in (("conv1 fwd", "conv1 fwd"), ("conv2 fwd", "conv2 fwd"),
+                                                             ("conv2 bwd", "conv2 bwd"), ("conv1 bwd", "conv1 bwd"),
+                                                             ("loss and small ops", "loss"),
+                                                             ("SGD update", "conv steps"))}
+        ms["fc matmuls"] = (native["fc fwd"] + native["fc bwd"]) * 1e3 / args.steps
+        ms["step loop"] = (total / 1e9 - sum(native.values())) * 1e3 / args.steps
+        alone_ms: dict[str, float] = {}
+        fc_alone = None
+    else:
+        ms = {p: ns[p] / 1e6 / args.steps for p in [*KERNELS, "fc matmuls", "SGD update"]}
+        ms["loss and small ops"] = (ns["lenet step"] - sum(ns[p] for p in KERNELS) - ns["fc matmuls"]
+                                    - ns["SGD update"]) / 1e6 / args.steps
+        ms["step loop"] = (total - ns["lenet step"]) / 1e6 / args.steps
+        alone_ms = {p: 1e3 * alone(kept[p]) for p in KERNELS}
+        fc_alone = "fc forward (FcLayers)" if "fc forward (FcLayers)" in kept else "fc1 fwd (baddbmm)"
+        alone_ms[fc_alone] = 1e3 * alone(kept[fc_alone])
     step_ms = total / 1e6 / args.steps
-    alone_ms = {p: 1e3 * alone(kept[p]) for p in KERNELS}
-    fc_alone = "fc forward (FcLayers)" if "fc forward (FcLayers)" in kept else "fc1 fwd (baddbmm)"
-    alone_ms[fc_alone] = 1e3 * alone(kept[fc_alone])
     peak = peak_flops()   # torch runs 1 thread here: the 1-thread peak
     step_flops = sum(flops.values())
     rows = []
@@ -187,7 +220,10 @@ def main() -> None:
                      "alone_ms": alone_ms.get(p)})
     result = {
         "workload": f"mimic-cnn FMNIST, {args.clients} clients x {args.steps} steps, batch {BATCH}, FedAvg, "
-                    f"1 thread, Group.train (the LeNet step by hand), kernel {group.native}",
+                    f"1 thread, Group.train (the LeNet step by hand"
+                    f"{', one native call per round, client by client' if one_call else ', layer after layer'}), "
+                    f"kernel {group.native}",
+        "one_native_call": one_call,
         "command": "benchmarks/step_profile.py " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "load": os.getloadavg(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -195,11 +231,16 @@ def main() -> None:
         "of_peak": step_flops / (step_ms / 1e3) / peak,
         "step_ms_at_65_percent": step_flops / (0.65 * peak) * 1e3,
         "parts": rows, "alone_ms": alone_ms,
-        "notes": "ms per step, fastest of the timed calls; 'alone': the part's last call in the step repeated on "
-                 "the same operands (min of 50): hot caches. fc forward (FcLayers) alone is the three layers' "
-                 "forward where the step runs them natively (else fc1 fwd (baddbmm): fc1's forward matmul, the "
-                 "largest). fc matmuls includes kernels.fc_sgd (fc1's and fc2's weight gradient and SGD step "
-                 "in one pass).",
+        "notes": ("ms per step, fastest of the timed calls, each part timed inside the native call "
+                  "(kernels.LeNetStep.time_parts): loss and small ops is the native loss, SGD update the conv "
+                  "layers' steps, fc matmuls the fully connected layers' forward, backward and steps, step loop "
+                  "everything outside the native call (Group.train's set-up, the losses, the deltas)."
+                  if one_call else
+                  "ms per step, fastest of the timed calls; 'alone': the part's last call in the step repeated on "
+                  "the same operands (min of 50): hot caches. fc forward (FcLayers) alone is the three layers' "
+                  "forward where the step runs them natively (else fc1 fwd (baddbmm): fc1's forward matmul, the "
+                  "largest). fc matmuls includes kernels.fc_sgd (fc1's and fc2's weight gradient and SGD step "
+                  "in one pass)."),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_profile.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -215,7 +256,7 @@ def main() -> None:
     for r in rows:
         md.append(f"| {r['part']} | {r['ms']:.3f} | {r['share']:.1%} | {fmt(r['mflop'], '.1f')} | "
                   f"{fmt(r['gflops'], '.0f')} | {fmt(r['of_peak'], '.0%')} | {fmt(r['alone_ms'], '.3f')} |")
-    md.append(f"\n{fc_alone} alone: {alone_ms[fc_alone]:.3f} ms. {result['notes']}\n")
+    md.append(f"\n{f'{fc_alone} alone: {alone_ms[fc_alone]:.3f} ms. ' if fc_alone else ''}{result['notes']}\n")
     (args.out / "step_profile.md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -112,7 +112,7 @@ def test_step_tables_equal_the_per_step_construction() -> None:
     order = sorted(range(len(tasks)), key=lambda i: -len(plans[i]))   # as `Group._train` sorts them
     tasks, plans, tables = [tasks[i] for i in order], [plans[i] for i in order], [tables[i] for i in order]
     data_idx = [t.client for t in tasks]
-    got = list(group._steps(tasks, tables, data_idx))
+    got = list(group._steps(group._tables(tasks, tables, data_idx)))
     want = list(_steps_per_step(group, tasks, plans, data_idx))
     assert len(got) == len(want) == max(len(p) for p in plans)
     for step, (k, rows, y, weight, n) in zip(got, want):
@@ -143,6 +143,7 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
     from coordinator.sim import kernels
     one_pass: list[bool] = []   # what kernels.fc_sgd did, step by step (the weights it updated in one pass)
     native_fc: list[bool] = []  # whether each Group.train ran the fully connected layers' steps natively
+    whole: list[bool] = []      # whether a round ran in one native call (`kernels.LeNetStep.steps`)
 
     def fc_sgd(*args, **kwargs) -> bool:
         one_pass.append(real(*args, **kwargs))
@@ -152,7 +153,10 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
         made = real_make(*args, **kwargs)
         native_fc.append(made is not None and made.steps)
         return made
-    real, real_make = kernels.fc_sgd, kernels.FcLayers.make
+    def steps(self, *args, **kwargs):
+        whole.append(True)
+        return real_steps(self, *args, **kwargs)
+    real, real_make, real_steps = kernels.fc_sgd, kernels.FcLayers.make, kernels.LeNetStep.steps
     for kind, tasks in rounds.items():
         out = {}
         for by_hand in (True, False):
@@ -162,15 +166,20 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(kernels, "fc_sgd", fc_sgd)
                 mp.setattr(kernels.FcLayers, "make", staticmethod(make))
+                mp.setattr(kernels.LeNetStep, "steps", steps)
                 out[by_hand] = group.train(w, tasks)
         for a, b in zip(out[True], out[False]):
             assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
         if kind == "plain" and _mkl_x86() and dtype == torch.float32:
             assert any(native_fc), "the native fully connected layers never ran where MKL's order is known"
+            if kernels.chosen() == "avx512" and torch.backends.cpu.get_cpu_capability() == "AVX512":
+                assert whole, "the round in one native call (the native loss's ATen path is this one) did not run"
         if kind != "plain":
-            assert not one_pass and not any(native_fc), "the one-pass weight step and native steps are plain SGD's only"
+            assert not one_pass and not any(native_fc) and not whole, \
+                "the one-pass weight step and native steps are plain SGD's only"
         one_pass.clear()
         native_fc.clear()
+        whole.clear()
 
 
 def _mkl_x86() -> bool:

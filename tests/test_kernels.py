@@ -610,6 +610,128 @@ def test_prepared_layers_give_the_functions_bits(cin: int, side: int, b: int, dt
         kernels.LeNetLayers(variant, x_all, xs, w1, b1, w2[:, :, :3].contiguous(), b2, b)
 
 
+def _lenet_operands(gen: torch.Generator, k: int, b: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """mimic-cnn's shapes in the engine's layouts: images [n, 1, 28, 28] and the parameter stacks of k clients (conv
+    weights, conv biases, fully connected weights [k, in, out] and biases)."""
+    x_all = torch.randn(n, 1, 28, 28, generator=gen)
+    shapes = [(6, 1, 5, 5), (6,), (16, 6, 5, 5), (16,), (256, 120), (120,), (120, 84), (84,), (84, 10), (10,)]
+    return x_all, [0.2 * torch.randn(k, *s, generator=gen) for s in shapes]
+
+
+def _lenet_reference(variant: str, x_all: torch.Tensor, ps: list[torch.Tensor], b: int, neg_lr: float):
+    """The step by hand layer after layer (`LeNetLayers`, `FcLayers`' forward, loss, backward, torch's add_ for the
+    conv layers' steps), as `batched._lenet_step` runs it without `LeNetStep`: step(rows, target, dloss, k) → ce."""
+    xs = kernels.split_images(x_all, 5, variant)
+    layers = kernels.LeNetLayers(variant, x_all, xs, *ps[:4], b)
+    fc = kernels.FcLayers.make(variant, ps[4::2], ps[5::2], b, neg_lr)
+
+    def step(rows: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor, k: int) -> torch.Tensor:
+        layers.fwd1(rows, k)
+        logits = fc.forward(layers.fwd2(k), k)
+        ce, g = fc.loss(logits, target, dloss, k)
+        _, gw2, gb2 = layers.bwd2(fc.backward(g, k), k)
+        gw1, gb1 = layers.bwd1(k)
+        for p, g_ in zip(ps[:4], (gw1, gb1, gw2, gb2)):
+            p[:k].add_(g_, alpha=neg_lr)
+        return ce.clone()
+    return layers, fc, step
+
+
+def test_the_whole_step_gives_the_layer_by_layer_bits(variant: str) -> None:
+    """`LeNetStep` (the step by hand in one native call, client by client) computes what `LeNetLayers` and `FcLayers`
+    compute layer after layer for all clients, bit for bit: every loss and every parameter after the steps, step
+    after step on all clients and on a prefix (clients that have finished), with the conv layers' steps left to the
+    caller (torch's add_) and, where the fused update has torch's bits, in the kernel (`conv_steps`, and `steps`: a
+    round's steps in one call). It refuses a label outside the classes before writing anything."""
+    gen = torch.Generator().manual_seed(31)
+    neg_lr = -0.05
+    for b in (16, 5, 37):
+        k, n = 4, 60
+        x_all, ps = _lenet_operands(gen, k, b, n)
+        table = torch.randint(0, n, (3, k, b), generator=gen)
+        target = torch.randint(0, 10, (3, k, b), generator=gen)
+        dloss = torch.rand(3, k, b, generator=gen) / b
+        ks = [k, k, 2]
+        ref_ps = [p.clone() for p in ps]
+        _, fc_ref, ref_step = _lenet_reference(variant, x_all, ref_ps, b, neg_lr)
+        if fc_ref is None or not fc_ref.fused:   # the fully connected layers' bits are not MKL's here
+            assert not (b == 16 and _mkl_x86() and variant == "avx512"
+                        and torch.backends.cpu.get_cpu_capability() == "AVX512"), "mimic-cnn's setting must run"
+            continue
+        want_ce = [ref_step(table[j, :kk], target[j, :kk].reshape(-1), dloss[j, :kk].reshape(-1), kk)
+                   for j, kk in enumerate(ks)]
+        xs = kernels.split_images(x_all, 5, variant)
+        for conv_steps in (False, True):
+            if conv_steps and not kernels.fused_update(variant, torch.float32):
+                continue
+            got_ps = [p.clone() for p in ps]
+            layers = kernels.LeNetLayers(variant, x_all, xs, *got_ps[:4], b)
+            fc = kernels.FcLayers.make(variant, got_ps[4::2], got_ps[5::2], b, neg_lr)
+            whole = kernels.LeNetStep(layers, fc, conv_steps)
+            for j, kk in enumerate(ks):
+                ce = whole(table[j, :kk], target[j, :kk].reshape(-1), dloss[j, :kk].reshape(-1), kk)
+                assert torch.equal(ce, want_ce[j]), (b, conv_steps, j)
+                if not conv_steps:
+                    _, _, _, gw1, gb1, gw2, gb2 = layers.views(kk)
+                    for p, g_ in zip(got_ps[:4], (gw1, gb1, gw2, gb2)):
+                        p[:kk].add_(g_, alpha=neg_lr)
+            for got, want in zip(got_ps, ref_ps):
+                assert torch.equal(got, want), (b, conv_steps)
+            if conv_steps:   # the same round in one call
+                got_ps = [p.clone() for p in ps]
+                layers = kernels.LeNetLayers(variant, x_all, xs, *got_ps[:4], b)
+                whole = kernels.LeNetStep(layers, kernels.FcLayers.make(variant, got_ps[4::2], got_ps[5::2], b,
+                                                                        neg_lr), True)
+                ce_all = whole.steps(table, target, dloss, ks)
+                for j, kk in enumerate(ks):
+                    assert torch.equal(ce_all[j, :kk].reshape(-1), want_ce[j])
+                    assert not ce_all[j, kk:].any()
+                for got, want in zip(got_ps, ref_ps):
+                    assert torch.equal(got, want), b
+                before = [p.clone() for p in got_ps]
+                bad = target.clone()
+                bad[2, 1, 0] = 10   # step 2's clients are 0 and 1: checked before step 0 writes anything
+                with pytest.raises(ValueError, match="target outside"):
+                    whole.steps(table, bad, dloss, ks)
+                assert all(torch.equal(p, q) for p, q in zip(got_ps, before))
+                with pytest.raises(RuntimeError, match="conv_steps"):
+                    kernels.LeNetStep(layers, whole.fc, False).steps(table, target, dloss, ks)
+        before = [p.clone() for p in got_ps]
+        with pytest.raises(ValueError, match="target outside"):
+            whole(table[0], torch.full((k * b,), 10), dloss[0].reshape(-1), k)
+        assert all(torch.equal(p, q) for p, q in zip(got_ps, before))
+        with pytest.raises(ValueError, match="need contiguous"):
+            whole(table[0, :, :2], target[0].reshape(-1), dloss[0].reshape(-1), k)
+
+
+def test_the_fully_connected_head_gives_the_layer_by_layer_bits(variant: str) -> None:
+    """`FcLayers.head` (forward, loss, backward and steps client by client in one call) gives `forward`, `loss` and
+    `backward`'s bits: the losses, the first layer's input gradient and every weight and bias."""
+    gen = torch.Generator().manual_seed(32)
+    for b in (16, 3):
+        k = 3
+        _, ps = _lenet_operands(gen, k, b, 1)
+        fc_ps = ps[4:]
+        ref = [p.clone() for p in fc_ps]
+        fc_ref = kernels.FcLayers.make(variant, ref[0::2], ref[1::2], b, -0.05)
+        fc = kernels.FcLayers.make(variant, fc_ps[0::2], fc_ps[1::2], b, -0.05)
+        if fc is None or not fc.fused:
+            continue
+        for kk in (3, 2):
+            x = torch.relu(torch.randn(kk, b, 256, generator=gen))
+            t = torch.randint(0, 10, (kk * b,), generator=gen)
+            d = torch.rand(kk * b, generator=gen) / b
+            want_ce, g = fc_ref.loss(fc_ref.forward(x, kk), t, d, kk)
+            want_ce = want_ce.clone()
+            want_gin = fc_ref.backward(g, kk)
+            ce, gin = fc.head(x, t, d, kk)
+            assert torch.equal(ce, want_ce) and torch.equal(gin, want_gin)
+            assert all(torch.equal(p, q) for p, q in zip(fc_ps, ref))
+        with pytest.raises(ValueError, match="target outside"):
+            fc.head(x, torch.full((kk * b,), -1), d, kk)
+        assert all(torch.equal(p, q) for p, q in zip(fc_ps, ref))
+
+
 def test_mixed_dtypes_and_bad_indices_are_refused() -> None:
     with pytest.raises(TypeError, match="one dtype"):
         kernels.conv_pool_relu(torch.rand(2, 1, 28, 28), torch.tensor([[0, 1]]), torch.rand(6, 1, 5, 5).double(),

@@ -62,6 +62,21 @@ class _Step:
                                         # made by `Group._steps` where the step by hand runs, else None)
 
 
+@dataclass
+class _Tables:
+    """Every step's `_Step` fields at once, [steps, K, B] ([steps, K] for size), K all the clients (`Group._tables`):
+    past a client's last step its rows are index 0 and its weight and size 0 (never read: step j uses the first
+    ks[j] clients)."""
+
+    rows: torch.Tensor
+    ys: torch.Tensor
+    weight: torch.Tensor
+    size: torch.Tensor
+    sizes: list[list[int]]
+    dloss: torch.Tensor | None
+    ks: list[int]
+
+
 class _Batch:
     """The active clients' parameters and this step's batch; batched layers for the model forwards."""
 
@@ -157,7 +172,8 @@ def _lenet(m: MimicCNN, z: _Batch) -> torch.Tensor:
 
 def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = None,
                 sgd: Callable[[str, torch.Tensor, torch.Tensor], bool] | None = None,
-                fc: kernels.FcLayers | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+                fc: kernels.FcLayers | None = None, whole: kernels.LeNetStep | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """`_lenet`'s forward, the per-client loss and the gradients of every parameter, by hand, for the LeNets with
     both fused layers: the very aten ops, on the very operands, that `torch.autograd.grad(loss.sum(), params)`
     runs on `_lenet` (torch's derivative formulas for baddbmm, relu, log_softmax, nll_loss, mul, sum and div),
@@ -169,7 +185,9 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
     weight's gradient xᵀ·g and its SGD step in one pass (`kernels.fc_sgd`) and says whether it did; that weight's
     gradient is then None. `fc`, where given, runs the fully connected layers' forward and the loss as native kernels
     with those ops' bits (`kernels.FcLayers`), and with `fc.steps` (plain SGD at one lr, with `apply` and `sgd`) their
-    gradients and steps too: those gradients are then None."""
+    gradients and steps too: those gradients are then None. `whole`, where given (with `fc.fused`), runs all of it,
+    client by client, in one native call (`kernels.LeNetStep`: the same kernels, the same bits); the conv layers'
+    steps are then `apply`'s, as always."""
     def done(*names: str) -> None:
         if apply is not None:
             for n in names:
@@ -186,12 +204,22 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
         return gx, None if sgd is not None and sgd(name, x, g) else x.transpose(1, 2).bmm(g)
 
     p, k, b, st, layers = z.p, z.k, z.b, z.s, z.layers
+    grads: dict[str, torch.Tensor | None]
+    if whole is not None:   # the whole step in one native call, client by client (the same kernels, the same bits)
+        ce = whole(st.rows, st.y.reshape(-1), st.dloss.reshape(-1), k)
+        loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
+        grads = dict.fromkeys(("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
+        _, _, _, grads["conv1.weight"], grads["conv1.bias"], grads["conv2.weight"], grads["conv2.bias"] = \
+            layers.views(k)
+        done("conv2.weight", "conv2.bias", "conv1.weight", "conv1.bias")
+        return loss, grads
     # the two fused layers, prepared once per `Group.train` (`kernels.LeNetLayers`: `conv_pool_fwd` and
     # `conv2_pool_fwd` with client-major layouts between them, no autograd sits between them here: the second
     # layer copies its input row by row, the first layer's backward reads its gradient as whole vectors)
     layers.fwd1(st.rows, k)
     h2 = layers.fwd2(k)
     w1, w2, w3 = p["fc1.weight"], p["fc2.weight"], p["fc3.weight"]   # held transposed: [K, in, out]
+    target = st.y.reshape(-1)
     if fc is not None:   # baddbmm and relu, layer by layer, in one native call each (the same bits)
         logits = fc.forward(h2, k)
         r1, r2 = fc.relu_out(0, k), fc.relu_out(1, k)
@@ -200,7 +228,6 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
         r2 = torch.relu(torch.baddbmm(p["fc2.bias"].unsqueeze(1), r1, w2))
         logits = torch.baddbmm(p["fc3.bias"].unsqueeze(1), r2, w3)
     # F.cross_entropy(reduction="none") = nll_loss(log_softmax(x, 1)); then each client's mean over its real rows
-    target = st.y.reshape(-1)
     # backward, node by node as autograd runs it: sum → div → sum(1) → mul → nll_loss → log_softmax → fc3 ...
     # (torch.ones(k) / size).unsqueeze(1).expand(k, b) * weight, made for every step at once by `Group._steps`
     if fc is not None:   # the loss and its gradient down to the logits (`kernels.FcLayers.loss`: the same ops' bits)
@@ -211,7 +238,6 @@ def _lenet_step(z: _Batch, apply: Callable[[str, torch.Tensor], None] | None = N
         g = torch.ops.aten.nll_loss_backward(st.dloss.reshape(-1), lsm, target, None, 0, -100, total_weight)
         g = torch.ops.aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype).view(k, b, -1)
     loss = (ce.view(k, b) * st.weight).sum(1) / st.size.to(ce.dtype)
-    grads: dict[str, torch.Tensor | None]
     if fc is not None and fc.steps:   # every fully connected layer's gradients and steps (`back`, `done`), natively
         grads = dict.fromkeys(("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"))
         return _conv_grads(layers, fc.backward(g, k), k, grads, done, loss)
@@ -499,26 +525,37 @@ class Group:
         def sgd(n: str, x: torch.Tensor, g: torch.Tensor) -> bool:   # plain SGD: a linear weight's gradient and
             return kernels.fc_sgd(x, g, live[n], neg_lr[0], self.native)   # step in one pass, where exact
 
-        live_k, layers, fc = None, None, None
+        live_k, layers, fc, whole = None, None, None, None
         in_step = self.by_hand and (plain_sgd or fused)   # the step by hand updates as it goes (`apply`)
-        for step in self._steps(tasks, plans, data):
+        tables = self._tables(tasks, plans, data)
+        if self.by_hand and tables is not None:   # the fused layers' calls, prepared once (all clients' stacks)
+            width = tables.rows.shape[2]
+            layers = kernels.LeNetLayers(self.native, self.x_all, self.x_split, params["conv1.weight"],
+                                         params["conv1.bias"], params["conv2.weight"], params["conv2.bias"], width)
+            # the fully connected layers' forward and the loss natively too, where their bits are the torch ops',
+            # and with plain SGD in the step their backward and steps
+            fc = kernels.FcLayers.make(self.native, [params[f"fc{i}.weight"] for i in (1, 2, 3)],
+                                       [params[f"fc{i}.bias"] for i in (1, 2, 3)], width,
+                                       neg_lr[0] if in_step and plain_sgd else None)
+            # and where all of that is native, the whole step in one call, client by client, with the conv layers'
+            # steps too where the fused update has torch's bits
+            if fc is not None and fc.fused:
+                whole = kernels.LeNetStep(layers, fc, conv_steps=kernels.fused_update(self.native, w0.dtype))
+        if whole is not None and whole.conv_steps and tables is not None and tables.dloss is not None:   # one call
+            ce = whole.steps(tables.rows, tables.ys, tables.dloss.contiguous(), tables.ks)
+            loss_all = ((ce * tables.weight).sum(2) / tables.size).double()   # each step's, as below (same ops)
+            for j, k in enumerate(tables.ks):
+                loss_sum[:k] += loss_all[j, :k]
+            tables = None   # no step left to run below
+        for step in self._steps(tables):
             k = step.k
             prox = fused and mu_t is not None and any(mu[:k])   # this step's FedProx term in the fused update
             if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
                 if k != live_k:   # the active clients' views, made again only when a client has finished
                     live, live_k = {n: p[:k] for n, p in params.items()}, k
-                if layers is None:   # the fused layers' calls, prepared once (all clients' parameter stacks)
-                    layers = kernels.LeNetLayers(self.native, self.x_all, self.x_split, params["conv1.weight"],
-                                                 params["conv1.bias"], params["conv2.weight"], params["conv2.bias"],
-                                                 step.rows.shape[1])
-                    # the fully connected layers' forward and the loss natively too, where their bits are the torch
-                    # ops', and with plain SGD in the step their backward and steps
-                    fc = kernels.FcLayers.make(self.native, [params[f"fc{i}.weight"] for i in (1, 2, 3)],
-                                               [params[f"fc{i}.bias"] for i in (1, 2, 3)], step.rows.shape[1],
-                                               neg_lr[0] if in_step and plain_sgd else None)
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split, layers=layers)
                 loss, by_name = _lenet_step(z, apply if in_step else None, sgd if in_step and plain_sgd else None,
-                                            fc)
+                                            fc, whole)
                 grads = tuple(by_name[n] for n in live)   # (not read where the step updated in_step)
             else:
                 live = {n: p[:k].detach().requires_grad_() for n, p in params.items()}
@@ -558,8 +595,9 @@ class Group:
                                  float(loss_sum[j]) / max(steps, 1), seconds)
         return out  # type: ignore[return-value]
 
-    def _steps(self, tasks: list[TrainTask], plans: list[tuple[torch.Tensor, torch.Tensor]], data: list[int]):
-        """Yield one `_Step` per step: the active prefix's padded index rows, labels, weights, sizes.
+    def _tables(self, tasks: list[TrainTask], plans: list[tuple[torch.Tensor, torch.Tensor]], data: list[int]
+                ) -> _Tables | None:
+        """Every step's padded index rows, labels, weights, sizes at once (None: no steps).
         `plans`: each task's `batch_table` (rows [steps, batch_size], -1 past a batch's end; sizes)."""
         width = max([t.batch_size for t, (_, n) in zip(tasks, plans) if len(n)], default=1)
         padded = []
@@ -576,7 +614,7 @@ class Group:
         n_steps = [len(n) for _, n in plans]
         total = max(n_steps, default=0)
         if total == 0:
-            return
+            return None
         # every step's rows and weights at once, [steps, K, B], then one slice per step (fewer small ops per
         # step); past a client's last step its rows are index 0, never read: step j uses the clients still
         # training. (`padded` is dropped: the tables take its place in memory, plus the weights.)
@@ -590,10 +628,15 @@ class Group:
         # elementwise division and product per element as one step's, for all steps (inf/NaN past a client's
         # last step, where no step reads it)
         dloss = (torch.ones_like(size) / size).unsqueeze(2) * weight if self.by_hand else None
-        for j in range(total):
-            k = sum(1 for n in n_steps if n > j)
-            yield _Step(k, rows[j, :k], ys[j, :k], weight[j, :k], size[j, :k], sizes_list[j][:k],
-                        None if dloss is None else dloss[j, :k])
+        ks = [sum(1 for n in n_steps if n > j) for j in range(total)]   # the clients still training at step j
+        return _Tables(rows, ys, weight, size, sizes_list, dloss, ks)
+
+    @staticmethod
+    def _steps(t: _Tables | None):
+        """Yield one `_Step` per step of `_tables`: the active prefix's padded index rows, labels, weights, sizes."""
+        for j, k in enumerate(t.ks if t is not None else []):
+            yield _Step(k, t.rows[j, :k], t.ys[j, :k], t.weight[j, :k], t.size[j, :k], t.sizes[j][:k],
+                        None if t.dloss is None else t.dloss[j, :k])
 
 
 _SPLITS: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}   # `_shared_split`: key → (images, split)

@@ -189,6 +189,12 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                 fn.argtypes, fn.restype = [ptr] * 6 + [i64] * 4 + [ctypes.c_double, i64], ctypes.c_int
             fn = lib.dropfl_log_softmax_nll_f32   # float32 only: x, target, dloss, ce, gi, R, D, exp, log
             fn.argtypes, fn.restype = [ptr] * 5 + [i64] * 2 + [ptr] * 2, ctypes.c_int
+            fn = lib.dropfl_fc_head_f32   # FcHead*, x0, target, dloss, ce, K, B
+            fn.argtypes, fn.restype = [ctypes.POINTER(_FcHead)] + [ptr] * 4 + [i64] * 2, ctypes.c_int
+            fn = lib.dropfl_lenet_step_f32   # LeNetStep*, rows, target, dloss, ce, K
+            fn.argtypes, fn.restype = [ctypes.POINTER(_LeNetStep)] + [ptr] * 4 + [i64], ctypes.c_int
+            fn = lib.dropfl_lenet_steps_f32   # LeNetStep*, rows, target, dloss, ce, ks, S, KA
+            fn.argtypes, fn.restype = [ctypes.POINTER(_LeNetStep)] + [ptr] * 5 + [i64] * 2, ctypes.c_int
             _libs[variant] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _errors[variant] = str(e)
@@ -220,6 +226,22 @@ def error(variant: str | None = None) -> str | None:
     """Why `variant`'s kernels (default: the chosen one) are not available, after `load()`: no compiler,
     the build's error, or turned off; None if they are, or if `load()` has not been called."""
     return _errors.get(variant or _chosen or "")
+
+
+class _FcHead(ctypes.Structure):
+    """conv_pool.cpp's `FcHead`: the fully connected layers' operands (at most 4 layers)."""
+    _fields_ = [("nl", ctypes.c_int64), ("w", ctypes.c_void_p * 4), ("bias", ctypes.c_void_p * 4),
+                ("out", ctypes.c_void_p * 4), ("gin", ctypes.c_void_p * 4), ("dims", ctypes.c_int64 * 8),
+                ("blocks", ctypes.c_int64 * 4), ("glog", ctypes.c_void_p),
+                ("neg_lr", ctypes.c_double), ("vexp", ctypes.c_void_p), ("vlog", ctypes.c_void_p)]
+
+
+class _LeNetStep(ctypes.Structure):
+    """conv_pool.cpp's `LeNetStep`: the whole step by hand's operands."""
+    _fields_ = [(n, ctypes.c_void_p) for n in ("xs", "w1", "b1", "y1", "arg1", "gh", "gw1", "gb1", "w2", "b2", "y2",
+                                               "arg2", "gw2", "gb2")] + \
+               [(n, ctypes.c_int64) for n in ("B", "H", "W", "Cin", "O1", "R", "S", "O2", "lanes", "conv_steps")] + \
+               [("prof", ctypes.c_void_p), ("fc", _FcHead)]
 
 
 def _lib(variant: str | None) -> ctypes.CDLL:
@@ -877,6 +899,7 @@ class FcLayers:
                 raise ValueError(f"FcLayers: weights {[tuple(w.shape) for w in ws]}, biases "
                                  f"{[tuple(b.shape) for b in bs]}: not the contiguous stacks [K, in, out] and "
                                  "[K, out] of consecutive layers")
+        self.lib = lib
         self.fwd_fn, self.bwd_fn = _entry(lib, "fc_fwd", dt), _entry(lib, "fc_bwd_sgd", dt)
         self.tensors = (*ws, *bs)   # kept alive: their pointers are used every step
         self.w = [w.data_ptr() for w in ws]
@@ -892,6 +915,18 @@ class FcLayers:
         self.sleef = _sleef(variant) if native_loss else None
         classes = self.dims[-1][1]
         self.ce, self.g = torch.empty(kk * batch, dtype=dt), torch.empty(kk, batch, classes, dtype=dt)
+        # `head` (and `LeNetStep`): forward, loss and backward client by client in one call, float32 with the
+        # native loss and steps, at most 4 layers: the operands as the kernel's struct, made once
+        self.head_fn, self.head_args = None, None
+        if native_loss and neg_lr is not None and len(ws) <= 4:
+            self.head_fn = lib.dropfl_fc_head_f32
+            pad = [0] * (4 - len(ws))
+            self.head_args = _FcHead(
+                len(ws), (ctypes.c_void_p * 4)(*self.w, *pad), (ctypes.c_void_p * 4)(*self.b, *pad),
+                (ctypes.c_void_p * 4)(*(t.data_ptr() for t in self.out), *pad),
+                (ctypes.c_void_p * 4)(*(t.data_ptr() for t in self.gin), *pad),
+                (ctypes.c_int64 * 8)(*(d for fin_out in self.dims for d in fin_out), *pad, *pad),
+                (ctypes.c_int64 * 4)(*blocks, *pad), self.g.data_ptr(), neg_lr, *self.sleef)
 
     @property
     def steps(self) -> bool:
@@ -931,6 +966,35 @@ class FcLayers:
                              "FcLayers.loss: the kernel refused the shape")
         return ce, g
 
+    @property
+    def fused(self) -> bool:
+        """Whether `head` runs (the native loss and steps): else `forward`, `loss` and `backward`, one by one."""
+        return self.head_fn is not None
+
+    def head(self, x: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, `loss` and `backward` in one native call, client by client (a client's weights stay in cache
+        from its forward to its backward: the same kernels on the same operands, the same bits): from x [k, B, in],
+        targets [k·B] int64 and dloss [k·B], each row's cross-entropy [k·B] and the first layer's input gradient
+        [k, B, in], every weight and bias stepped in place. Only where `fused`."""
+        if self.head_fn is None:
+            raise RuntimeError("FcLayers.head: needs the native loss and plain SGD steps (see `fused`)")
+        rows = k * self.batch
+        if x.shape != (k, self.batch, self.dims[0][0]) or not x.is_contiguous() or not 0 < k <= self.k_all:
+            raise ValueError(f"FcLayers: x {tuple(x.shape)} for {k} clients: need contiguous "
+                             f"[{k}, {self.batch}, {self.dims[0][0]}], at most {self.k_all} clients")
+        if not (target.dtype == torch.int64 and target.shape == (rows,) and dloss.shape == (rows,)
+                and target.is_contiguous() and dloss.is_contiguous() and dloss.dtype == x.dtype):
+            raise ValueError(f"FcLayers.head: target {tuple(target.shape)} {target.dtype}, dloss "
+                             f"{tuple(dloss.shape)}: need contiguous [{rows}] int64 and [{rows}] {x.dtype}")
+        status = self.head_fn(ctypes.byref(self.head_args), x.data_ptr(), target.data_ptr(), dloss.data_ptr(),
+                              self.ce.data_ptr(), k, self.batch)
+        if status != 0:
+            raise ValueError(f"FcLayers.head: a target outside 0..{self.dims[-1][1] - 1}" if status == -2 else
+                             "FcLayers.head: the kernel refused the shape (fc_layer_exact and the kernel disagree)")
+        self.x0 = x
+        return self.ce[:rows], self.gin[0][:k]
+
     def relu_out(self, i: int, k: int) -> torch.Tensor:
         """Layer i's output [k, B, out] of the last `forward` (relu'd for every layer but the last)."""
         return self.out[i][:k]
@@ -954,3 +1018,86 @@ class FcLayers:
                 raise RuntimeError("FcLayers: the kernel refused the shape (fc_layer_exact and the kernel disagree)")
             g = self.gin[i][:k]
         return g
+
+
+class LeNetStep:
+    """The LeNet step by hand as one native call, client by client (conv_pool.cpp, `lenet_step`): for each client
+    the two fused layers' forwards (`LeNetLayers`'), the fully connected layers' forward, loss, backward and steps
+    (`FcLayers.head`), then the two fused layers' backwards, so that a client's operands stay in cache from its
+    forward to its backward (layer after layer, a 15-client mimic-cnn step's passed through L2 several times). The
+    same kernels on the same operands: the same bits. With `conv_steps`, each conv parameter's plain SGD step too,
+    right after its client's backward (`sgd_update`'s, made only where `fused_update`: torch's add's bits), and
+    `steps` runs a round's steps in one call; else the conv layers' gradients are left in `layers`' buffers
+    (`LeNetLayers.views`) for the caller's steps. Made where `fc.fused` (float32, the native loss, plain SGD)."""
+
+    def __init__(self, layers: LeNetLayers, fc: FcLayers, conv_steps: bool):
+        if not fc.fused or fc.head_args is None or layers.y2.dtype != torch.float32 or layers.b != fc.batch:
+            raise ValueError("LeNetStep: needs FcLayers with `fused` (float32, the native loss and steps) for the "
+                             "same batch")
+        b, h, wd, cin, o1, r, s = layers.dims1
+        o2 = layers.dims2[4]
+        if fc.dims[0][0] != layers.y2.shape[2] or fc.k_all != layers.k_all:
+            raise ValueError(f"LeNetStep: the fully connected layers take {fc.dims[0][0]} inputs of {fc.k_all} "
+                             f"clients, the second layer gives {layers.y2.shape[2]} of {layers.k_all}")
+        self.layers, self.fc, self.conv_steps = layers, fc, conv_steps
+        self.fn, self.steps_fn = fc.lib.dropfl_lenet_step_f32, fc.lib.dropfl_lenet_steps_f32
+        self.args = _LeNetStep(layers.xs, layers.w1, layers.b1, layers.y1.data_ptr(), layers.arg1.data_ptr(),
+                               layers.gh.data_ptr(), layers.gw1.data_ptr(), layers.gb1.data_ptr(), layers.w2,
+                               layers.b2, layers.y2.data_ptr(), layers.arg2.data_ptr(), layers.gw2.data_ptr(),
+                               layers.gb2.data_ptr(), b, h, wd, cin, o1, r, s, o2, int(layers.lanes),
+                               int(conv_steps), None, fc.head_args)
+        self.laps: torch.Tensor | None = None
+
+    PARTS = ("conv1 fwd", "conv2 fwd", "fc fwd", "loss", "fc bwd", "conv2 bwd", "conv1 bwd", "conv steps")
+
+    def time_parts(self) -> torch.Tensor:
+        """From now on, add each part's seconds (`PARTS`, conv_pool.cpp's `Part`) to the float64 tensor returned
+        (benchmarks/step_profile.py: where the step's time goes inside the one native call)."""
+        self.laps = torch.zeros(len(self.PARTS), dtype=torch.float64)
+        self.args.prof = self.laps.data_ptr()
+        return self.laps
+
+    def _status(self, status: int) -> None:
+        if status != 0:
+            raise ValueError(f"LeNetStep: a target outside 0..{self.fc.dims[-1][1] - 1}" if status == -2 else
+                             "LeNetStep: the kernel refused the shape")
+
+    def __call__(self, rows: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor, k: int) -> torch.Tensor:
+        """One step of the first k clients on rows [k, B] (indices into x_all), targets [k·B] int64 and dloss [k·B]:
+        each row's cross-entropy [k·B] (a view of a buffer the next call overwrites); every fully connected
+        parameter stepped in place, and the conv layers' too with `conv_steps` (else their gradients are in
+        `layers`' buffers)."""
+        lay, fc = self.layers, self.fc
+        n = k * fc.batch
+        if rows.shape != (k, lay.b) or not rows.is_contiguous() or not 0 < k <= lay.k_all:
+            raise ValueError(f"LeNetStep: rows {tuple(rows.shape)} for {k} clients: need contiguous [{k}, {lay.b}], "
+                             f"at most {lay.k_all} clients")
+        if not (target.dtype == torch.int64 and target.shape == (n,) and dloss.shape == (n,)
+                and target.is_contiguous() and dloss.is_contiguous() and dloss.dtype == torch.float32):
+            raise ValueError(f"LeNetStep: target {tuple(target.shape)} {target.dtype}, dloss {tuple(dloss.shape)}: "
+                             f"need contiguous [{n}] int64 and [{n}] float32")
+        lay._check_rows(rows)
+        self._status(self.fn(ctypes.byref(self.args), rows.data_ptr(), target.data_ptr(), dloss.data_ptr(),
+                             fc.ce.data_ptr(), k))
+        lay.rows, fc.x0 = rows, lay.y2[:k]
+        return fc.ce[:n]
+
+    def steps(self, rows: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor, ks: list[int]) -> torch.Tensor:
+        """A round's steps in one native call (with `conv_steps`): rows and targets [S, K, B] int64, dloss [S, K, B]
+        float32 (K: all the clients), step j training the first ks[j] clients on row j of each. Returns each step's
+        rows' cross-entropy [S, K, B] (0 past a step's clients)."""
+        lay = self.layers
+        shape = (len(ks), lay.k_all, lay.b)
+        if not self.conv_steps:
+            raise RuntimeError("LeNetStep.steps: made without conv_steps (the caller steps the conv layers)")
+        if not (rows.shape == target.shape == dloss.shape == shape and rows.dtype == target.dtype == torch.int64
+                and dloss.dtype == torch.float32 and rows.is_contiguous() and target.is_contiguous()
+                and dloss.is_contiguous() and all(0 <= k <= lay.k_all for k in ks)):
+            raise ValueError(f"LeNetStep.steps: rows {tuple(rows.shape)}, targets {tuple(target.shape)}, dloss "
+                             f"{tuple(dloss.shape)} {dloss.dtype}: need contiguous {shape} int64, int64, float32")
+        lay._check_rows(rows)
+        ce = torch.zeros(shape, dtype=torch.float32)
+        ks_t = torch.tensor(ks, dtype=torch.int64)
+        self._status(self.steps_fn(ctypes.byref(self.args), rows.data_ptr(), target.data_ptr(), dloss.data_ptr(),
+                                   ce.data_ptr(), ks_t.data_ptr(), len(ks), lay.k_all))
+        return ce

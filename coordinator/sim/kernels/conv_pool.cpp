@@ -41,6 +41,7 @@
 // and rounds each product: ulp-level differences, as any other BLAS).
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -458,8 +459,13 @@ void forward_lanes(const T* xs, const int64_t* rows, const T* w, const T* bias, 
   typedef typename Indices<L>::bytes bytes;
   const int64_t pix = split_size(s), plane = s.Hp * s.Wp, my = plane * s.O;   // pix: a split image's values
   const int64_t R = RS ? RS : s.R, S = RS ? RS : s.S;
-  std::vector<vec> xt(pix), yt(my);
-  std::vector<bytes> at(my);
+  // staging buffers, every value written before it is read: kept by the thread from call to call (the step by hand
+  // calls this once per client and step: allocating and zeroing them each time was ~3 % of this kernel)
+  static thread_local std::vector<vec> xt, yt;
+  static thread_local std::vector<bytes> at;
+  if (xt.size() < size_t(pix)) xt.resize(pix);
+  if (yt.size() < size_t(my)) yt.resize(my);
+  if (at.size() < size_t(my)) at.resize(my);
   for (int64_t k = 0; k < s.K; ++k) {
     for (int64_t b0 = 0; b0 < s.B; b0 += L) {
       const int64_t nb = s.B - b0 < L ? s.B - b0 : L;
@@ -1224,6 +1230,180 @@ int log_softmax_nll(const T* x, const int64_t* target, const T* dloss, T* ce, T*
   return 0;
 }
 
+// ---- The LeNet step by hand, client by client (plain SGD, float32) ---------------------------------------------
+// The calls above for one client after another instead of one layer after another for all K clients: the first
+// layer's forward, the second's, every fully connected layer's forward (`fc_fwd`), the loss (`log_softmax_nll`),
+// every fully connected layer's backward with its steps (`fc_bwd_sgd`, from the last), the second layer's backward,
+// the first's. Layer after layer, a 15-client mimic-cnn step's operands (the clients' fully connected weights alone
+// are 2.4 MB) passed through L2 and back several times; one client's (~0.4 MB) stay there from its forward to its
+// backward. The same functions on the same operands (each client's computation is its own), so the same bits.
+// The conv layers' steps stay with the caller (their gradients go to gw1, gb1, gw2, gb2).
+
+// The fully connected layers: NL (<= 4) layers, relu between them, none after the last. w[l] [K, fin, fout] (the
+// engine's transposed weight), bias[l] [K, fout], out[l] [K, B, fout] (relu'd but the last), gin[l] [K, B, fin]
+// (layer l's input gradient, relu's threshold applied for l > 0); dims[2l], dims[2l + 1] = fin, fout; blocks[l]
+// the bias gradient's `sum_block`; glog [K, B, classes] (the logits' gradient).
+struct FcHead {
+  int64_t NL;
+  float* w[4];
+  float* bias[4];
+  float* out[4];
+  float* gin[4];
+  int64_t dims[8];
+  int64_t blocks[4];
+  float* glog;
+  double neg_lr;
+  void* vexp;
+  void* vlog;
+};
+
+// Every check first (nothing is written if one fails): -1 a shape the kernels refuse, -2 a target out of range.
+int fc_head_check(const FcHead& h, const int64_t* target, int64_t K, int64_t B) {
+  constexpr int L = V<float>::L;
+  if (h.NL < 1 || h.NL > 4) return -1;
+  const int64_t D = h.dims[2 * h.NL - 1];
+  if (D > L || D < 1 || (B + L - 1) / L > 8) return -1;
+  for (int64_t l = 0; l < h.NL; ++l)
+    if (h.blocks[l] < 1 || (l && h.dims[2 * l] != h.dims[2 * l - 1])) return -1;
+  for (int64_t r = 0; r < K * B; ++r)
+    if (target[r] < 0 || target[r] >= D) return -2;
+  return 0;
+}
+
+// Where a step's time goes (`LeNetStep::prof`, for benchmarks/step_profile.py): seconds per part, added up.
+enum Part { CONV1_FWD, CONV2_FWD, FC_FWD, LOSS, FC_BWD, CONV2_BWD, CONV1_BWD, CONV_STEPS, PARTS };
+
+struct Laps {
+  double* acc;   // [PARTS], or null: nothing timed
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void lap(Part part) {
+    if (acc == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    acc[part] += std::chrono::duration<double>(now - t).count();
+    t = now;
+  }
+};
+
+// Client k's forward, loss and backward with steps; x0 [K, B, in] the first layer's input, ce [K·B] each row's loss.
+void fc_head_client(const FcHead& h, const float* x0, const int64_t* target, const float* dloss, float* ce, int64_t k,
+                    int64_t B, Laps& laps) {
+  const int64_t NL = h.NL, D = h.dims[2 * NL - 1];
+  const auto vexp = reinterpret_cast<vfun<float>>(h.vexp), vlog = reinterpret_cast<vfun<float>>(h.vlog);
+  for (int64_t l = 0; l < NL; ++l) {
+    const int64_t fin = h.dims[2 * l], fout = h.dims[2 * l + 1];
+    const float* x = l ? h.out[l - 1] + k * B * fin : x0 + k * B * fin;
+    fc_fwd<float>(x, h.w[l] + k * fin * fout, h.bias[l] + k * fout, h.out[l] + k * B * fout, 1, B, fin, fout,
+                  l + 1 < NL);
+  }
+  laps.lap(FC_FWD);
+  float* g = h.glog + k * B * D;
+  log_softmax_nll<float>(h.out[NL - 1] + k * B * D, target + k * B, dloss + k * B, ce + k * B, g, B, D, vexp,
+                         vlog);
+  laps.lap(LOSS);
+  for (int64_t l = NL - 1; l >= 0; --l) {
+    const int64_t fin = h.dims[2 * l], fout = h.dims[2 * l + 1];
+    const float* x = l ? h.out[l - 1] + k * B * fin : x0 + k * B * fin;
+    float* gx = h.gin[l] + k * B * fin;
+    fc_bwd_sgd<float>(x, g, h.w[l] + k * fin * fout, h.bias[l] + k * fout, l ? x : nullptr, gx, 1, B, fin, fout,
+                      static_cast<float>(h.neg_lr), h.blocks[l]);
+    g = gx;
+  }
+  laps.lap(FC_BWD);
+}
+
+// The whole step's operands (the LeNets: two fused layers, then the fully connected ones), all client-major as the
+// step by hand's calls take them: xs the split images; w1 [K, O1, Cin, R, S], b1 [K, O1]; y1 [K, B, Hp, Wp, O1],
+// arg1 and gh [K, B, O1, Hp, Wp] (padded); w2 [K, O2, O1, 5, 5], b2 [K, O2]; y2 [K, B, O2·Hp2·Wp2] (the head's input),
+// arg2 [K, B, Hp2, Wp2, O2]; gw1, gb1, gw2, gb2 the conv layers' gradients (the parameters' shapes); the head's
+// gin[0] is y2's gradient. lanes: the first layer's forward with a client's samples in the lanes (`forward_lanes`),
+// else the column form. conv_steps: each conv parameter's plain SGD step too, right after its client's backward
+// (`sgd_row`, p.add_(g, alpha=-lr)'s bits where `sgd_update_exact`), else the caller's. prof: null, or [PARTS]
+// seconds to add each part's time to (`Part`).
+struct LeNetStep {
+  const float* xs;
+  float* w1;
+  float* b1;
+  float* y1;
+  uint8_t* arg1;
+  float* gh;
+  float* gw1;
+  float* gb1;
+  float* w2;
+  float* b2;
+  float* y2;
+  uint8_t* arg2;
+  float* gw2;
+  float* gb2;
+  int64_t B, H, W, Cin, O1, R, S, O2, lanes, conv_steps;
+  double* prof;
+  FcHead fc;
+};
+
+// -1: a shape the kernels refuse; -2: a target out of range (nothing written then).
+int lenet_step(const LeNetStep& a, const int64_t* rows, const int64_t* target, const float* dloss, float* ce,
+               int64_t K) {
+  typedef float T;
+  const Shape s1 = [&] {
+    Shape s = make_shape<T>(a.B, a.H, a.W, 1, a.Cin, a.O1, a.R, a.S);
+    s.cm = true;
+    return s;
+  }();
+  const Inner s2 = [&] {
+    Inner s = make_inner<T>(a.B, s1.Hp, s1.Wp, 1, a.O2);
+    s.cm = true;
+    return s;
+  }();
+  const int64_t L = V<T>::L;
+  if (a.O1 != CIN2 || a.O2 > 2 * LOGICAL / int64_t(sizeof(T)) || a.O2 < 1) return -1;   // the second layer's entry's
+  const int64_t hw2 = s2.Hp * s2.Wp;
+  if (a.fc.dims[0] != a.O2 * hw2) return -1;
+  if (const int status = fc_head_check(a.fc, target, K, a.B)) return status;
+  const int64_t taps1 = a.Cin * a.R * a.S, taps2 = CIN2 * R2 * S2, plane1 = s1.Hp * s1.Wp;
+  Laps laps{a.prof};
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t* rk = rows + k * a.B;
+    T* w1 = a.w1 + k * a.O1 * taps1;
+    T* b1 = a.b1 + k * a.O1;
+    T* y1 = a.y1 + k * a.B * plane1 * a.O1;
+    uint8_t* arg1 = a.arg1 + k * a.B * a.O1 * plane1;
+    T* gh = a.gh + k * a.B * a.O1 * plane1;
+    T* w2 = a.w2 + k * a.O2 * taps2;
+    T* y2 = a.y2 + k * a.B * a.O2 * hw2;
+    uint8_t* arg2 = a.arg2 + k * a.B * a.O2 * hw2;
+    with_block(a.O1, [&](auto ob) {
+      constexpr int OB = decltype(ob)::value;
+      if (!a.lanes) forward<T, OB>(a.xs, rk, w1, b1, y1, arg1, s1);
+      else if (a.R == 5 && a.S == 5) forward_lanes<T, OB, 5>(a.xs, rk, w1, b1, y1, arg1, s1);
+      else forward_lanes<T, OB, 0>(a.xs, rk, w1, b1, y1, arg1, s1);
+    });
+    laps.lap(CONV1_FWD);
+    T* b2 = a.b2 + k * a.O2;
+    if (a.O2 <= L) inner_forward<T, 1>(y1, w2, b2, y2, arg2, s2);
+    else if (a.O2 <= 2 * L) inner_forward<T, 2>(y1, w2, b2, y2, arg2, s2);
+    else if (a.O2 <= 4 * L) inner_forward<T, 4>(y1, w2, b2, y2, arg2, s2);
+    else inner_forward<T, 8>(y1, w2, b2, y2, arg2, s2);
+    laps.lap(CONV2_FWD);
+    fc_head_client(a.fc, a.y2, target, dloss, ce, k, a.B, laps);
+    T* gw2 = a.gw2 + k * a.O2 * taps2;
+    T* gb2 = a.gb2 + k * a.O2;
+    inner_backward<T>(y1, w2, a.fc.gin[0] + k * a.B * a.O2 * hw2, arg2, gh, gw2, gb2, s2);
+    laps.lap(CONV2_BWD);
+    T* gw1 = a.gw1 + k * a.O1 * taps1;
+    T* gb1 = a.gb1 + k * a.O1;
+    with_block(a.O1, [&](auto ob) { backward<T, decltype(ob)::value>(a.xs, rk, gh, arg1, gw1, gb1, s1); });
+    laps.lap(CONV1_BWD);
+    if (a.conv_steps) {
+      const T neg_lr = static_cast<T>(a.fc.neg_lr);
+      sgd_row<T, false, false>(w2, gw2, nullptr, T(0), nullptr, neg_lr, a.O2 * taps2);
+      sgd_row<T, false, false>(b2, gb2, nullptr, T(0), nullptr, neg_lr, a.O2);
+      sgd_row<T, false, false>(w1, gw1, nullptr, T(0), nullptr, neg_lr, a.O1 * taps1);
+      sgd_row<T, false, false>(b1, gb1, nullptr, T(0), nullptr, neg_lr, a.O1);
+      laps.lap(CONV_STEPS);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1315,6 +1495,36 @@ int dropfl_log_softmax_nll_f32(const float* x, const int64_t* target, const floa
                                int64_t R, int64_t D, void* vexp, void* vlog) {
   return log_softmax_nll<float>(x, target, dloss, ce, gi, R, D, reinterpret_cast<vfun<float>>(vexp),
                                 reinterpret_cast<vfun<float>>(vlog));
+}
+
+// float32 only, as the loss. `fc_head`: the fully connected layers' part of `lenet_step` for K clients, x0 [K, B, in].
+int dropfl_fc_head_f32(const FcHead* h, const float* x0, const int64_t* target, const float* dloss, float* ce,
+                       int64_t K, int64_t B) {
+  if (const int status = fc_head_check(*h, target, K, B)) return status;
+  Laps laps{nullptr};
+  for (int64_t k = 0; k < K; ++k) fc_head_client(*h, x0, target, dloss, ce, k, B, laps);
+  return 0;
+}
+
+int dropfl_lenet_step_f32(const LeNetStep* a, const int64_t* rows, const int64_t* target, const float* dloss,
+                          float* ce, int64_t K) {
+  return lenet_step(*a, rows, target, dloss, ce, K);
+}
+
+// S steps in one call, conv_steps on: rows, target [S, KA, B] int64, dloss, ce [S, KA, B]; step j trains the first
+// ks[j] (<= KA) clients on row j of each table. Every step's checks first (nothing written if one fails).
+int dropfl_lenet_steps_f32(const LeNetStep* a, const int64_t* rows, const int64_t* target, const float* dloss,
+                           float* ce, const int64_t* ks, int64_t S, int64_t KA) {
+  if (!a->conv_steps) return -1;
+  const int64_t n = KA * a->B;
+  for (int64_t j = 0; j < S; ++j) {
+    if (ks[j] < 0 || ks[j] > KA) return -1;
+    if (const int status = fc_head_check(a->fc, target + j * n, ks[j], a->B)) return status;
+  }
+  for (int64_t j = 0; j < S; ++j)
+    if (const int status = lenet_step(*a, rows + j * n, target + j * n, dloss + j * n, ce + j * n, ks[j]))
+      return status;
+  return 0;
 }
 
 DROPFL_ENTRY(float, f32)
