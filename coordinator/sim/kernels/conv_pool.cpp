@@ -863,23 +863,34 @@ void dw_block(const T* x, const T* g, T* w, int64_t B, int64_t Fin, int64_t Fout
     n0[j] = col_start(v0 + j, L, Fout);
     keep[j] = lane < static_cast<ilane>((v0 + j) * L - n0[j]);
   }
-  vec acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = vec{};
-  for (int64_t b = 0; b < B; ++b) {
-    vec gv[NB];
-    for (int j = 0; j < NB; ++j) gv[j] = loadu(g + b * Fout + n0[j]);
-    const T* xb = x + b * Fin + i0;
+  // every block of MB rows in one call, from i0 (a call per block: its set-up, and the accumulators through the
+  // stack, for B = 16 FMAs each)
+  for (; i0 + MB <= Fin; i0 += MB) {
+    vec acc[MB][NB];
+#pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) acc[i][j] += gv[j] * xb[i];   // one FMA (contracted)
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      T* p = w + (i0 + i) * Fout + n0[j];
-      const vec old = loadu(p);
-      const vec upd = acc[i][j] * neg_lr + old;   // fma(gradient, −lr, w)
-      storeu(p, keep[j] ? old : upd);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = vec{};
+    for (int64_t b = 0; b < B; ++b) {
+      vec gv[NB];
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) gv[j] = loadu(g + b * Fout + n0[j]);
+      const T* xb = x + b * Fin + i0;
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) acc[i][j] += gv[j] * xb[i];   // one FMA (contracted)
     }
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        T* p = w + (i0 + i) * Fout + n0[j];
+        const vec old = loadu(p);
+        const vec upd = acc[i][j] * neg_lr + old;   // fma(gradient, −lr, w)
+        storeu(p, keep[j] ? old : upd);
+      }
+  }
 }
 
 // Rows i0.. of one client's update: blocks of MB rows, then the rest in blocks of MB/2, MB/4, ... 1.
@@ -887,8 +898,8 @@ template <typename T, int MB, int NB>
 void dw_rows(const T* x, const T* g, T* w, int64_t B, int64_t Fin, int64_t Fout, int64_t i0, int64_t v0, T neg_lr,
              const Lanes<T>& lane) {
   if constexpr (MB >= 1) {
-    for (; i0 + MB <= Fin; i0 += MB) dw_block<T, MB, NB>(x, g, w, B, Fin, Fout, i0, v0, neg_lr, lane);
-    dw_rows<T, MB / 2, NB>(x, g, w, B, Fin, Fout, i0, v0, neg_lr, lane);
+    dw_block<T, MB, NB>(x, g, w, B, Fin, Fout, i0, v0, neg_lr, lane);
+    dw_rows<T, MB / 2, NB>(x, g, w, B, Fin, Fout, i0 + (Fin - i0) / MB * MB, v0, neg_lr, lane);
   }
 }
 
