@@ -591,11 +591,16 @@ void inner_forward(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, co
   std::vector<T> xk(s.H * s.XS);
   std::vector<vec> wt(taps * OV);  // wt[(r*S + q)*CIN + ci][v]: lanes = output channels (0-padded)
   for (int64_t k = 0; k < s.K; ++k) {
-    T* wl = reinterpret_cast<T*>(wt.data());
-    for (int t = 0; t < taps; ++t) {
-      const int r = t / (S2 * CIN2), q = t / CIN2 % S2, ci = t % CIN2;
-      for (int l = 0; l < OV * L; ++l)
-        wl[t * OV * L + l] = l < s.O ? w[(k * s.O + l) * taps + (ci * R2 + r) * S2 + q] : T(0);
+    T* wl = reinterpret_cast<T*>(wt.data());   // tap t = (r * S + q) * CIN + ci, lane l: w[l][ci][r][q]
+    for (int64_t l = 0; l < OV * L; ++l) {
+      if (l >= s.O) {
+        for (int t = 0; t < taps; ++t) wl[t * OV * L + l] = T(0);
+        continue;
+      }
+      const T* src = w + (k * s.O + l) * taps;
+      for (int ci = 0; ci < CIN2; ++ci)
+        for (int r = 0; r < R2; ++r)
+          for (int q = 0; q < S2; ++q) wl[((r * S2 + q) * CIN2 + ci) * OV * L + l] = src[(ci * R2 + r) * S2 + q];
     }
     vec b0[OV] = {};
     for (int v = 0; v < OV; ++v)
@@ -682,12 +687,15 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
   std::vector<vec> wrow(s.O * R2 * RV), dw(s.O * R2 * RV);  // [o][r][v]: lanes = (q, ci), 0-padded
   std::vector<uint32_t> routed(plane * 4);  // [window][position]: the output channels routed there, bit o
   for (int64_t k = 0; k < s.K; ++k) {
-    T* wl = reinterpret_cast<T*>(wrow.data());
+    T* wl = reinterpret_cast<T*>(wrow.data());   // lane l = q * CIN + ci of row r: w[o][ci][r][q]
     for (int64_t o = 0; o < s.O; ++o)
-      for (int r = 0; r < R2; ++r)
-        for (int l = 0; l < RW; ++l)
-          wl[(o * R2 + r) * RW + l] =
-              l < S2 * CIN2 ? w[(k * s.O + o) * taps + ((l % CIN2) * R2 + r) * S2 + l / CIN2] : T(0);
+      for (int r = 0; r < R2; ++r) {
+        T* dst = wl + (o * R2 + r) * RW;
+        const T* src = w + (k * s.O + o) * taps + r * S2;
+        for (int q = 0; q < S2; ++q)
+          for (int ci = 0; ci < CIN2; ++ci) dst[q * CIN2 + ci] = src[ci * R2 * S2 + q];
+        for (int l = S2 * CIN2; l < RW; ++l) dst[l] = T(0);
+      }
     for (auto& v : dw) v = vec{};
     for (auto& v : db) v = T(0);
     for (int64_t b = 0; b < s.B; ++b) {
@@ -748,9 +756,12 @@ void inner_backward(const T* h, const T* w, const T* gy, const uint8_t* arg, T* 
     }
     const T* dl = reinterpret_cast<const T*>(dw.data());
     for (int64_t o = 0; o < s.O; ++o) {
-      for (int r = 0; r < R2; ++r)
-        for (int l = 0; l < S2 * CIN2; ++l)
-          gw[(k * s.O + o) * taps + ((l % CIN2) * R2 + r) * S2 + l / CIN2] = dl[(o * R2 + r) * RW + l];
+      for (int r = 0; r < R2; ++r) {
+        const T* src = dl + (o * R2 + r) * RW;
+        T* dst = gw + (k * s.O + o) * taps + r * S2;
+        for (int q = 0; q < S2; ++q)
+          for (int ci = 0; ci < CIN2; ++ci) dst[ci * R2 * S2 + q] = src[q * CIN2 + ci];
+      }
       gb[k * s.O + o] = db[o];
     }
   }
