@@ -865,6 +865,22 @@ def loss_exact(variant: str, classes: int) -> bool:
     return _loss_exact[key]
 
 
+def _check_labels(name: str, target: torch.Tensor, dloss: torch.Tensor, rows: int, dtype: torch.dtype) -> None:
+    """The native loss's labels and loss gradients: contiguous [rows] int64 and [rows] of `dtype`."""
+    if not (target.dtype == torch.int64 and target.shape == (rows,) and dloss.shape == (rows,)
+            and target.is_contiguous() and dloss.is_contiguous() and dloss.dtype == dtype):
+        raise ValueError(f"{name}: target {tuple(target.shape)} {target.dtype}, dloss {tuple(dloss.shape)} "
+                         f"{dloss.dtype}: need contiguous [{rows}] int64 and [{rows}] {dtype}")
+
+
+def _label_status(name: str, status: int, classes: int) -> None:
+    """The native loss's entry points return -2 for a label outside the classes (checked before anything is written)
+    and -1 for a shape they refuse."""
+    if status != 0:
+        raise ValueError(f"{name}: a target outside 0..{classes - 1}" if status == -2 else
+                         f"{name}: the kernel refused the shape")
+
+
 class FcLayers:
     """The LeNet step by hand's fully connected layers (`batched._lenet_step`: relu between them, none after the
     last), prepared once per `Group.train`: the forward of every layer (`fc_fwd`), the loss (`loss`) and, with plain
@@ -954,16 +970,10 @@ class FcLayers:
         if self.loss_fn is None:
             ce, g = _torch_loss(logits.reshape(rows, classes), target, dloss)
             return ce, g.view(k, self.batch, classes)
-        if not (target.dtype == torch.int64 and target.shape == (rows,) and dloss.shape == (rows,)
-                and target.is_contiguous() and dloss.is_contiguous() and dloss.dtype == logits.dtype):
-            raise ValueError(f"FcLayers.loss: target {tuple(target.shape)} {target.dtype}, dloss {tuple(dloss.shape)}: "
-                             f"need contiguous [{rows}] int64 and [{rows}] {logits.dtype}")
+        _check_labels("FcLayers.loss", target, dloss, rows, logits.dtype)
         ce, g = self.ce[:rows], self.g[:k]
-        status = self.loss_fn(logits.data_ptr(), target.data_ptr(), dloss.data_ptr(), ce.data_ptr(), g.data_ptr(),
-                              rows, classes, *self.sleef)
-        if status != 0:
-            raise ValueError(f"FcLayers.loss: a target outside 0..{classes - 1}" if status == -2 else
-                             "FcLayers.loss: the kernel refused the shape")
+        _label_status("FcLayers.loss", self.loss_fn(logits.data_ptr(), target.data_ptr(), dloss.data_ptr(),
+                                                    ce.data_ptr(), g.data_ptr(), rows, classes, *self.sleef), classes)
         return ce, g
 
     @property
@@ -983,15 +993,10 @@ class FcLayers:
         if x.shape != (k, self.batch, self.dims[0][0]) or not x.is_contiguous() or not 0 < k <= self.k_all:
             raise ValueError(f"FcLayers: x {tuple(x.shape)} for {k} clients: need contiguous "
                              f"[{k}, {self.batch}, {self.dims[0][0]}], at most {self.k_all} clients")
-        if not (target.dtype == torch.int64 and target.shape == (rows,) and dloss.shape == (rows,)
-                and target.is_contiguous() and dloss.is_contiguous() and dloss.dtype == x.dtype):
-            raise ValueError(f"FcLayers.head: target {tuple(target.shape)} {target.dtype}, dloss "
-                             f"{tuple(dloss.shape)}: need contiguous [{rows}] int64 and [{rows}] {x.dtype}")
-        status = self.head_fn(ctypes.byref(self.head_args), x.data_ptr(), target.data_ptr(), dloss.data_ptr(),
-                              self.ce.data_ptr(), k, self.batch)
-        if status != 0:
-            raise ValueError(f"FcLayers.head: a target outside 0..{self.dims[-1][1] - 1}" if status == -2 else
-                             "FcLayers.head: the kernel refused the shape (fc_layer_exact and the kernel disagree)")
+        _check_labels("FcLayers.head", target, dloss, rows, x.dtype)
+        _label_status("FcLayers.head", self.head_fn(ctypes.byref(self.head_args), x.data_ptr(), target.data_ptr(),
+                                                    dloss.data_ptr(), self.ce.data_ptr(), k, self.batch),
+                      self.dims[-1][1])
         self.x0 = x
         return self.ce[:rows], self.gin[0][:k]
 
@@ -1057,11 +1062,6 @@ class LeNetStep:
         self.args.prof = self.laps.data_ptr()
         return self.laps
 
-    def _status(self, status: int) -> None:
-        if status != 0:
-            raise ValueError(f"LeNetStep: a target outside 0..{self.fc.dims[-1][1] - 1}" if status == -2 else
-                             "LeNetStep: the kernel refused the shape")
-
     def __call__(self, rows: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor, k: int) -> torch.Tensor:
         """One step of the first k clients on rows [k, B] (indices into x_all), targets [k·B] int64 and dloss [k·B]:
         each row's cross-entropy [k·B] (a view of a buffer the next call overwrites); every fully connected
@@ -1072,13 +1072,10 @@ class LeNetStep:
         if rows.shape != (k, lay.b) or not rows.is_contiguous() or not 0 < k <= lay.k_all:
             raise ValueError(f"LeNetStep: rows {tuple(rows.shape)} for {k} clients: need contiguous [{k}, {lay.b}], "
                              f"at most {lay.k_all} clients")
-        if not (target.dtype == torch.int64 and target.shape == (n,) and dloss.shape == (n,)
-                and target.is_contiguous() and dloss.is_contiguous() and dloss.dtype == torch.float32):
-            raise ValueError(f"LeNetStep: target {tuple(target.shape)} {target.dtype}, dloss {tuple(dloss.shape)}: "
-                             f"need contiguous [{n}] int64 and [{n}] float32")
+        _check_labels("LeNetStep", target, dloss, n, torch.float32)
         lay._check_rows(rows)
-        self._status(self.fn(ctypes.byref(self.args), rows.data_ptr(), target.data_ptr(), dloss.data_ptr(),
-                             fc.ce.data_ptr(), k))
+        _label_status("LeNetStep", self.fn(ctypes.byref(self.args), rows.data_ptr(), target.data_ptr(),
+                                           dloss.data_ptr(), fc.ce.data_ptr(), k), fc.dims[-1][1])
         lay.rows, fc.x0 = rows, lay.y2[:k]
         return fc.ce[:n]
 
@@ -1098,6 +1095,7 @@ class LeNetStep:
         lay._check_rows(rows)
         ce = torch.zeros(shape, dtype=torch.float32)
         ks_t = torch.tensor(ks, dtype=torch.int64)
-        self._status(self.steps_fn(ctypes.byref(self.args), rows.data_ptr(), target.data_ptr(), dloss.data_ptr(),
-                                   ce.data_ptr(), ks_t.data_ptr(), len(ks), lay.k_all))
+        _label_status("LeNetStep.steps", self.steps_fn(ctypes.byref(self.args), rows.data_ptr(), target.data_ptr(),
+                                                       dloss.data_ptr(), ce.data_ptr(), ks_t.data_ptr(), len(ks),
+                                                       lay.k_all), self.fc.dims[-1][1])
         return ce
