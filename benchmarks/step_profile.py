@@ -193,10 +193,9 @@ def main() -> None:
                  "hand: this profile's parts assume the latter")
     one_call = ns["native step"] > 0
     if one_call:   # the whole step in one native call: its parts as the kernel timed them
-        ms = {p: native[n] * 1e3 / args.steps for p, n in (("conv1 fwd", "conv1 fwd"), ("conv2 fwd", "conv2 fwd"),
-                                                             ("conv2 bwd", "conv2 bwd"), ("conv1 bwd", "conv1 bwd"),
-                                                             ("loss and small ops", "loss"),
-                                                             ("SGD update", "conv steps"))}
+        ms = {p: native[p] * 1e3 / args.steps for p in KERNELS}   # the kernel's parts of the same names
+        ms["loss and small ops"] = native["loss"] * 1e3 / args.steps
+        ms["SGD update"] = native["conv steps"] * 1e3 / args.steps
         ms["fc matmuls"] = (native["fc fwd"] + native["fc bwd"]) * 1e3 / args.steps
         ms["step loop"] = (total / 1e9 - sum(native.values())) * 1e3 / args.steps
         alone_ms: dict[str, float] = {}

@@ -533,6 +533,13 @@ class LeNetLayers:
         _check_indices("LeNetLayers", table, self.n_all)
         self._checked = table
 
+    def check_step_rows(self, name: str, rows: torch.Tensor, k: int) -> None:
+        """A step's rows [k, B] of the first k clients: contiguous, in range (`_check_rows`)."""
+        if rows.shape != (k, self.b) or not rows.is_contiguous() or not 0 < k <= self.k_all:
+            raise ValueError(f"{name}: rows {tuple(rows.shape)} for {k} clients: need contiguous [{k}, {self.b}], "
+                             f"at most {self.k_all} clients")
+        self._check_rows(rows)
+
     def views(self, k: int) -> tuple[torch.Tensor, ...]:
         """The first k clients' rows of every output buffer (made once per k)."""
         v = self._views.get(k)
@@ -544,10 +551,7 @@ class LeNetLayers:
     def fwd1(self, rows: torch.Tensor, k: int) -> torch.Tensor:
         """The first layer of the first k clients on the step's rows [k, B] (indices into x_all): [k, B, Hp, Wp,
         O], as `conv_pool_fwd(..., client_major=True)`."""
-        if rows.shape != (k, self.b) or not rows.is_contiguous() or not 0 < k <= self.k_all:
-            raise ValueError(f"LeNetLayers: rows {tuple(rows.shape)} for {k} clients: need contiguous [{k}, {self.b}], "
-                             f"at most {self.k_all} clients")
-        self._check_rows(rows)
+        self.check_step_rows("LeNetLayers", rows, k)
         b, h, wd, cin, o, r, s = self.dims1
         self.fwd1_fn(self.xs, rows.data_ptr(), self.w1, self.b1, self.y1.data_ptr(), self.arg1.data_ptr(),
                      b, h, wd, k, cin, o, r, s, *self.fwd1_layout)
@@ -1026,7 +1030,7 @@ class FcLayers:
 
 
 class LeNetStep:
-    """The LeNet step by hand as one native call, client by client (conv_pool.cpp, `lenet_step`): for each client
+    """The LeNet step by hand as one native call, client by client (conv_pool.cpp, `lenet_run`): for each client
     the two fused layers' forwards (`LeNetLayers`'), the fully connected layers' forward, loss, backward and steps
     (`FcLayers.head`), then the two fused layers' backwards, so that a client's operands stay in cache from its
     forward to its backward (layer after layer, a 15-client mimic-cnn step's passed through L2 several times). The
@@ -1069,11 +1073,8 @@ class LeNetStep:
         `layers`' buffers)."""
         lay, fc = self.layers, self.fc
         n = k * fc.batch
-        if rows.shape != (k, lay.b) or not rows.is_contiguous() or not 0 < k <= lay.k_all:
-            raise ValueError(f"LeNetStep: rows {tuple(rows.shape)} for {k} clients: need contiguous [{k}, {lay.b}], "
-                             f"at most {lay.k_all} clients")
+        lay.check_step_rows("LeNetStep", rows, k)
         _check_labels("LeNetStep", target, dloss, n, torch.float32)
-        lay._check_rows(rows)
         _label_status("LeNetStep", self.fn(ctypes.byref(self.args), rows.data_ptr(), target.data_ptr(),
                                            dloss.data_ptr(), fc.ce.data_ptr(), k), fc.dims[-1][1])
         lay.rows, fc.x0 = rows, lay.y2[:k]

@@ -1252,6 +1252,34 @@ int log_softmax_nll(const T* x, const int64_t* target, const T* dloss, T* ce, T*
   return 0;
 }
 
+// ---- Dispatch shared by the entry points and `lenet_run` --------------------------------------------------------
+
+// The first layer's forward with the samples in the lanes, its taps' loops unrolled for 5 × 5 kernels.
+template <typename T>
+void forward_lanes_any(const T* xs, const int64_t* rows, const T* w, const T* bias, T* y, uint8_t* arg,
+                       const Shape& s) {
+  with_block(s.O, [&](auto ob) {
+    if (s.R == 5 && s.S == 5) forward_lanes<T, decltype(ob)::value, 5>(xs, rows, w, bias, y, arg, s);
+    else forward_lanes<T, decltype(ob)::value, 0>(xs, rows, w, bias, y, arg, s);
+  });
+}
+
+// Whether the second layer's kernels take this shape (the LeNets': CIN = 6, 5 × 5, O <= 2 logical vectors).
+template <typename T>
+bool inner_fits(int64_t Cin, int64_t R, int64_t S, int64_t O) {
+  return Cin == CIN2 && R == R2 && S == S2 && O <= 2 * LOGICAL / int64_t(sizeof(T));
+}
+
+// The second layer's forward with O output channels in as few vectors as hold them.
+template <typename T>
+void inner_forward_any(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, const Inner& s) {
+  const int64_t L = V<T>::L;
+  if (s.O <= L) inner_forward<T, 1>(h, w, bias, y, arg, s);
+  else if (s.O <= 2 * L) inner_forward<T, 2>(h, w, bias, y, arg, s);
+  else if (s.O <= 4 * L) inner_forward<T, 4>(h, w, bias, y, arg, s);
+  else inner_forward<T, 8>(h, w, bias, y, arg, s);
+}
+
 // ---- The LeNet step by hand, client by client (plain SGD, float32) ---------------------------------------------
 // The calls above for one client after another instead of one layer after another for all K clients: the first
 // layer's forward, the second's, every fully connected layer's forward (`fc_fwd`), the loss (`log_softmax_nll`),
@@ -1361,25 +1389,34 @@ struct LeNetStep {
   FcHead fc;
 };
 
-// -1: a shape the kernels refuse; -2: a target out of range (nothing written then).
-int lenet_step(const LeNetStep& a, const int64_t* rows, const int64_t* target, const float* dloss, float* ce,
+// The first layer's and the second layer's shapes of one client's step.
+inline Shape lenet_shape1(const LeNetStep& a) {
+  Shape s = make_shape<float>(a.B, a.H, a.W, 1, a.Cin, a.O1, a.R, a.S);
+  s.cm = true;
+  return s;
+}
+
+inline Inner lenet_shape2(const LeNetStep& a) {
+  const Shape s1 = lenet_shape1(a);
+  Inner s = make_inner<float>(a.B, s1.Hp, s1.Wp, 1, a.O2);
+  s.cm = true;
+  return s;
+}
+
+// A step of K clients' checks: -1 a shape the kernels refuse, -2 a target out of range.
+int lenet_check(const LeNetStep& a, const int64_t* target, int64_t K) {
+  const Inner s2 = lenet_shape2(a);
+  if (!inner_fits<float>(a.O1, R2, S2, a.O2) || a.O2 < 1 || a.fc.dims[0] != a.O2 * s2.Hp * s2.Wp) return -1;
+  return fc_head_check(a.fc, target, K, a.B);
+}
+
+// A step of K clients, after `lenet_check`.
+void lenet_run(const LeNetStep& a, const int64_t* rows, const int64_t* target, const float* dloss, float* ce,
                int64_t K) {
   typedef float T;
-  const Shape s1 = [&] {
-    Shape s = make_shape<T>(a.B, a.H, a.W, 1, a.Cin, a.O1, a.R, a.S);
-    s.cm = true;
-    return s;
-  }();
-  const Inner s2 = [&] {
-    Inner s = make_inner<T>(a.B, s1.Hp, s1.Wp, 1, a.O2);
-    s.cm = true;
-    return s;
-  }();
-  const int64_t L = V<T>::L;
-  if (a.O1 != CIN2 || a.O2 > 2 * LOGICAL / int64_t(sizeof(T)) || a.O2 < 1) return -1;   // the second layer's entry's
+  const Shape s1 = lenet_shape1(a);
+  const Inner s2 = lenet_shape2(a);
   const int64_t hw2 = s2.Hp * s2.Wp;
-  if (a.fc.dims[0] != a.O2 * hw2) return -1;
-  if (const int status = fc_head_check(a.fc, target, K, a.B)) return status;
   const int64_t taps1 = a.Cin * a.R * a.S, taps2 = CIN2 * R2 * S2, plane1 = s1.Hp * s1.Wp;
   Laps laps{a.prof};
   for (int64_t k = 0; k < K; ++k) {
@@ -1392,18 +1429,11 @@ int lenet_step(const LeNetStep& a, const int64_t* rows, const int64_t* target, c
     T* w2 = a.w2 + k * a.O2 * taps2;
     T* y2 = a.y2 + k * a.B * a.O2 * hw2;
     uint8_t* arg2 = a.arg2 + k * a.B * a.O2 * hw2;
-    with_block(a.O1, [&](auto ob) {
-      constexpr int OB = decltype(ob)::value;
-      if (!a.lanes) forward<T, OB>(a.xs, rk, w1, b1, y1, arg1, s1);
-      else if (a.R == 5 && a.S == 5) forward_lanes<T, OB, 5>(a.xs, rk, w1, b1, y1, arg1, s1);
-      else forward_lanes<T, OB, 0>(a.xs, rk, w1, b1, y1, arg1, s1);
-    });
+    if (a.lanes) forward_lanes_any<T>(a.xs, rk, w1, b1, y1, arg1, s1);
+    else with_block(a.O1, [&](auto ob) { forward<T, decltype(ob)::value>(a.xs, rk, w1, b1, y1, arg1, s1); });
     laps.lap(CONV1_FWD);
     T* b2 = a.b2 + k * a.O2;
-    if (a.O2 <= L) inner_forward<T, 1>(y1, w2, b2, y2, arg2, s2);
-    else if (a.O2 <= 2 * L) inner_forward<T, 2>(y1, w2, b2, y2, arg2, s2);
-    else if (a.O2 <= 4 * L) inner_forward<T, 4>(y1, w2, b2, y2, arg2, s2);
-    else inner_forward<T, 8>(y1, w2, b2, y2, arg2, s2);
+    inner_forward_any<T>(y1, w2, b2, y2, arg2, s2);
     laps.lap(CONV2_FWD);
     fc_head_client(a.fc, a.y2, target, dloss, ce, k, a.B, laps);
     T* gw2 = a.gw2 + k * a.O2 * taps2;
@@ -1423,7 +1453,6 @@ int lenet_step(const LeNetStep& a, const int64_t* rows, const int64_t* target, c
       laps.lap(CONV_STEPS);
     }
   }
-  return 0;
 }
 
 }  // namespace
@@ -1451,10 +1480,7 @@ extern "C" {
                                            int64_t Cin, int64_t O, int64_t R, int64_t S) {                  \
     Shape s = make_shape<T>(B, H, W, K, Cin, O, R, S);                                                     \
     s.cm = true;                                                                                           \
-    with_block(O, [&](auto ob) {                                                                           \
-      if (R == 5 && S == 5) forward_lanes<T, decltype(ob)::value, 5>(xs, rows, w, bias, y, arg, s);        \
-      else forward_lanes<T, decltype(ob)::value, 0>(xs, rows, w, bias, y, arg, s);                         \
-    });                                                                                                    \
+    forward_lanes_any<T>(xs, rows, w, bias, y, arg, s);                                                    \
   }                                                                                                        \
   void dropfl_conv_pool_bwd_##suffix(const T* xs, const int64_t* rows, const T* gy, const uint8_t* arg, \
                                      T* gw, T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin, \
@@ -1470,20 +1496,16 @@ extern "C" {
   int dropfl_conv2_pool_fwd_##suffix(const T* h, const T* w, const T* bias, T* y, uint8_t* arg, int64_t B,   \
                                      int64_t H, int64_t W, int64_t K, int64_t Cin, int64_t O, int64_t R,     \
                                      int64_t S, int64_t layout) {                                          \
-    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * LOGICAL / int64_t(sizeof(T))) return -1;              \
+    if (!inner_fits<T>(Cin, R, S, O)) return -1;                                                           \
     Inner s = make_inner<T>(B, H, W, K, O);                                                                \
     s.cm = layout != 0;                                                                                    \
-    const int64_t L = V<T>::L;                                                                             \
-    if (O <= L) inner_forward<T, 1>(h, w, bias, y, arg, s);                                                \
-    else if (O <= 2 * L) inner_forward<T, 2>(h, w, bias, y, arg, s);                                       \
-    else if (O <= 4 * L) inner_forward<T, 4>(h, w, bias, y, arg, s);                                       \
-    else inner_forward<T, 8>(h, w, bias, y, arg, s);                                                       \
+    inner_forward_any<T>(h, w, bias, y, arg, s);                                                           \
     return 0;                                                                                              \
   }                                                                                                        \
   int dropfl_conv2_pool_bwd_##suffix(const T* h, const T* w, const T* gy, const uint8_t* arg, T* gh, T* gw,  \
                                      T* gb, int64_t B, int64_t H, int64_t W, int64_t K, int64_t Cin,       \
                                      int64_t O, int64_t R, int64_t S, int64_t layout) {                    \
-    if (Cin != CIN2 || R != R2 || S != S2 || O > 2 * LOGICAL / int64_t(sizeof(T))) return -1;              \
+    if (!inner_fits<T>(Cin, R, S, O)) return -1;                                                           \
     Inner s = make_inner<T>(B, H, W, K, O);                                                                \
     s.cm = layout != 0;                                                                                    \
     inner_backward<T>(h, w, gy, arg, gh, gw, gb, s);                                                       \
@@ -1519,7 +1541,7 @@ int dropfl_log_softmax_nll_f32(const float* x, const int64_t* target, const floa
                                 reinterpret_cast<vfun<float>>(vlog));
 }
 
-// float32 only, as the loss. `fc_head`: the fully connected layers' part of `lenet_step` for K clients, x0 [K, B, in].
+// float32 only, as the loss. `fc_head`: the fully connected layers' part of `lenet_run` for K clients, x0 [K, B, in].
 int dropfl_fc_head_f32(const FcHead* h, const float* x0, const int64_t* target, const float* dloss, float* ce,
                        int64_t K, int64_t B) {
   if (const int status = fc_head_check(*h, target, K, B)) return status;
@@ -1530,7 +1552,9 @@ int dropfl_fc_head_f32(const FcHead* h, const float* x0, const int64_t* target, 
 
 int dropfl_lenet_step_f32(const LeNetStep* a, const int64_t* rows, const int64_t* target, const float* dloss,
                           float* ce, int64_t K) {
-  return lenet_step(*a, rows, target, dloss, ce, K);
+  if (const int status = lenet_check(*a, target, K)) return status;
+  lenet_run(*a, rows, target, dloss, ce, K);
+  return 0;
 }
 
 // S steps in one call, conv_steps on: rows, target [S, KA, B] int64, dloss, ce [S, KA, B]; step j trains the first
@@ -1541,11 +1565,9 @@ int dropfl_lenet_steps_f32(const LeNetStep* a, const int64_t* rows, const int64_
   const int64_t n = KA * a->B;
   for (int64_t j = 0; j < S; ++j) {
     if (ks[j] < 0 || ks[j] > KA) return -1;
-    if (const int status = fc_head_check(a->fc, target + j * n, ks[j], a->B)) return status;
+    if (const int status = lenet_check(*a, target + j * n, ks[j])) return status;
   }
-  for (int64_t j = 0; j < S; ++j)
-    if (const int status = lenet_step(*a, rows + j * n, target + j * n, dloss + j * n, ce + j * n, ks[j]))
-      return status;
+  for (int64_t j = 0; j < S; ++j) lenet_run(*a, rows + j * n, target + j * n, dloss + j * n, ce + j * n, ks[j]);
   return 0;
 }
 
