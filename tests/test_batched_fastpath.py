@@ -12,7 +12,8 @@
   gradients are computed without autograd, by the ops autograd runs, and each parameter is updated inside the
   step as soon as its gradient is final; the weights and losses must be bitwise those of the autograd path
   (`Group.by_hand = False`), which updates after the step. With plain SGD, a fully connected weight's gradient
-  and its step are one pass (`kernels.fc_sgd`), where its bits are the torch ops' (on x86 with MKL: fc1 and fc2).
+  and its step are one pass (`kernels.fc_sgd`), where its bits are the torch ops' (its runtime check: they copy
+  one BLAS's summation order, so whether they run depends on the CPU and BLAS build, never asserted here).
 - The FedProx / SCAFFOLD update with one lr (`kernels.sgd_update`, through `kernels.sgd_updater`): one fused pass per
   parameter instead of the torch ops g + μ(w − w_global), + c, w.add_(g, alpha=−lr); the weights must be bitwise those
   of the torch ops (`kernels.fused_update` turned off), from one start (a serial slice) and from one start per task
@@ -170,10 +171,12 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
                 out[by_hand] = group.train(w, tasks)
         for a, b in zip(out[True], out[False]):
             assert torch.equal(a.delta, b.delta) and a.loss == b.loss and a.steps == b.steps
-        if kind == "plain" and _mkl_x86() and dtype == torch.float32:
-            assert any(native_fc), "the native fully connected layers never ran where MKL's order is known"
-            if kernels.chosen() == "avx512" and torch.backends.cpu.get_cpu_capability() == "AVX512":
-                assert whole, "the round in one native call (the native loss's ATen path is this one) did not run"
+        if kind == "plain":   # the native layers ran exactly where their runtime checks pass on this machine
+            exact = _fc_exact(model, dtype, batch=8)
+            assert any(native_fc) == exact, f"native fully connected layers ran: {any(native_fc)}, exact: {exact}"
+            one_call = (exact and dtype == torch.float32 and kernels.loss_exact(kernels.chosen(), 10)
+                        and kernels.fused_update(kernels.chosen(), dtype))
+            assert bool(whole) == one_call, f"the round in one native call ran: {bool(whole)}, expected: {one_call}"
         if kind != "plain":
             assert not one_pass and not any(native_fc) and not whole, \
                 "the one-pass weight step and native steps are plain SGD's only"
@@ -182,13 +185,13 @@ def test_the_lenet_step_by_hand_gives_autograd_s_bits(name: str, shape: tuple[in
         whole.clear()
 
 
-def _mkl_x86() -> bool:
-    """x86 with torch's MKL and a kernel variant with FMA: where `kernels.fc_sgd` gives the torch ops' bits."""
-    import platform
-
+def _fc_exact(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> bool:
+    """Whether the runtime check (`kernels.fc_layer_exact`) passes for every fully connected layer of `model` at
+    `batch` rows on this machine: where the native layers give the torch ops' bits (they copy one BLAS's order,
+    which another CPU or BLAS build need not have)."""
     from coordinator.sim import kernels
-    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkl.is_available()
-            and kernels.chosen() in ("avx512", "avx2"))
+    return all(kernels.fc_layer_exact(kernels.chosen(), dtype, batch, m.in_features, m.out_features)
+               for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_models_without_both_fused_layers_use_autograd() -> None:

@@ -669,9 +669,10 @@ class Evaluator:
 
     Not bitwise the reference: the kernels sum each output's products in another order than mkldnn, so the
     loss differs at the float rounding level (and an argmax at an exact near-tie could flip), as the
-    batched engine's training does. Every sample's logits depend only on that sample and the weights (one
-    sample after another inside the kernels, one GEMM per batch row block), so a run's metrics are the same
-    bits whatever else shares the process: resume, the lockstep and serial sweep executors and Ray agree.
+    batched engine's training does. The test set is always cut into the same batches of `batch` samples and each
+    is computed alone (K = 1), so a run's metrics are the same bits whatever else shares the process: resume, the
+    lockstep and serial sweep executors and Ray agree. (A sample's logits may depend on the batch it is in: the
+    fully connected layers are BLAS GEMMs, and MKL picks its kernel by shape and CPU.)
     `available()` is False (use the reference) where the model has no fused layers or no kernels build."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, native: bool | str = True,
