@@ -34,12 +34,18 @@ FIELD_OPTIONS = {  # flag: (FieldConfig field, type, help)
     "--broker-outage-timeout": ("broker_outage_timeout_s", float, "disconnected from the broker this long: stop "
                                 "(exit 1) with the finished rounds checkpointed, to --resume later; meanwhile no "
                                 "round starts and the open one's deadline is suspended (default: 300)"),
+    "--empty-federation-timeout": ("empty_federation_timeout_s", float, "nobody there to take part this long: "
+                                   "stop (exit 1) with the finished rounds checkpointed, to --resume later; "
+                                   "meanwhile no round starts while no agent is available, and a round in which "
+                                   "every agent is gone without an update is suspended, not recorded "
+                                   "(default: 300)"),
     "--chunk-bytes": ("chunk_bytes", int, "send tensors above this size in chunks (default: 262144)"),
     "--run-id": ("run_id", str, "run id bound into every message (default: run directory name + random suffix)"),
 }
 # ranges of the numeric field options (edge_client/configfile.py check_value; floats must also be finite)
 FIELD_LIMITS = {"deadline_s": {"gt": 0}, "heartbeat_timeout_s": {"gt": 0}, "upload_extension_s": {"minimum": 0},
                 "wait_agents": {"minimum": 0}, "broker_outage_timeout_s": {"gt": 0},
+                "empty_federation_timeout_s": {"gt": 0},
                 "wait_timeout_s": {"minimum": 0}, "round_wait_s": {"minimum": 0}, "chunk_bytes": {"minimum": 1}}
 
 
@@ -102,12 +108,17 @@ def field_config(args: argparse.Namespace, out: Path, resume: bool):
     return fc
 
 
+def check_field_mode(cfg: config.SimConfig) -> None:
+    """What field mode refuses beyond `config.validate` (also dropfl.field)."""
+    if cfg.availability.kind != "always":
+        raise UserError("--availability: in field mode availability comes from the agents; leave it out")
+
+
 def run(args) -> int:
     from coordinator.strategies import STRATEGIES
 
     cfg = config.resolve(args, list(STRATEGIES))
-    if cfg.availability.kind != "always":
-        raise UserError("--availability: in field mode availability comes from the agents; leave it out")
+    check_field_mode(cfg)
     out = cfg.run.out or f"runs/field-{cfg.strategy.algo}-{cfg.data.dataset}-s{cfg.run.seed}"
     cfg.run.out = out
     fc = field_config(args, Path(out), args.resume)
