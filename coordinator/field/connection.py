@@ -43,6 +43,7 @@ class FieldConfig:
     wait_timeout_s: float = 120.0
     round_wait_s: float = 0.0         # at each round start, wait up to this long for all agents
     broker_outage_timeout_s: float = 300.0  # disconnected from the broker this long: stop (resume later)
+    empty_federation_timeout_s: float = 300.0  # nobody there to take part this long: stop (resume later)
     chunk_bytes: int = 256 * 1024
     max_tensor_bytes: int = 256 * 1024 ** 2
 

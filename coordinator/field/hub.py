@@ -3,6 +3,7 @@
     Connection  (connection.py)  the MQTT client: connect, TLS, last will, reconnect, publish
     Registry    (registry.py)    the agents: status, heartbeats, data binding, liveness
     Collection  (collection.py)  the open round: update reassembly, stats, declines, evals, rejects
+    Absence     (absence.py)     nobody there to take part: wait, then give up (EmptyFederation)
 
 The hub holds what they share (`cfg`, `n`, `binding`, `num_params`, `limits`) and the lock `cond`:
 paho's network thread writes under it, the loop's thread (MqttTransport, FieldAvailability) reads and
@@ -16,13 +17,14 @@ import threading
 import time
 from pathlib import Path
 
+from coordinator.field.absence import Absence
 from coordinator.field.collection import Collection
 from coordinator.field.connection import Connection, FieldConfig
 from coordinator.field.registry import Registry
 from edge_client import federation, wire
 
 
-class FieldHub(Connection, Registry, Collection):
+class FieldHub(Connection, Registry, Collection, Absence):
     """The coordinator's MQTT side: connection, agent registry, round collection. Thread-safe: paho's
     network thread writes under `cond`, the loop's thread reads and waits on it."""
 
@@ -33,6 +35,7 @@ class FieldHub(Connection, Registry, Collection):
         self.cond = threading.Condition()
         self._init_collection(rundir_path)
         self._init_registry()
+        self._init_absence()
         self._init_connection()  # last: its callbacks may use all of the above
 
     def _dispatch(self, device: str, sub: str, payload: bytes, retained: bool) -> None:

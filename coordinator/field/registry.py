@@ -150,7 +150,9 @@ class Registry:
 
 class FieldAvailability:
     """The loop's availability source in field mode: who is online, heartbeating and willing, per the
-    agents' own reports. `round_wait_s` > 0 gives absent agents that long to (re)join first."""
+    agents' own reports. `round_wait_s` > 0 gives absent agents that long to (re)join first. No round
+    starts with nobody available: it waits for one (coordinator/field/absence.py; EmptyFederation after
+    --empty-federation-timeout)."""
 
     name = "field"
 
@@ -169,6 +171,8 @@ class FieldAvailability:
         reasons: dict[int, str] = {}
         with self.hub.cond:  # after an outage, also the agents it cut off, while they may be reconnecting
             self.hub.wait_until_settled(waiting)
+            if self.hub.wait_while_empty(self.hub.nobody_available, f"round {t} starts when one is"):
+                self.hub.wait_until_settled(waiting)
             now = time.monotonic()
             for c in range(self.hub.n):
                 why = self.hub.client_status(c, now)

@@ -3,8 +3,9 @@
 Writes the same run directory as simulation, plus `field.jsonl` (per-round timings, drops, duplicates; agents'
 evaluations and status changes), `telemetry.jsonl` (what each round cost each aggregated device),
 `field.json` (run id, field options) and `model.onnx`. A broker outage longer
-than --broker-outage-timeout (coordinator/field/outage.py) ends the run with a RunFailure that says how to
-resume, after the last finished round's checkpoint is saved.
+than --broker-outage-timeout (coordinator/field/outage.py), or an empty federation (nobody there to take part)
+for longer than --empty-federation-timeout (coordinator/field/absence.py), ends the run with a RunFailure that
+says how to resume, after the last finished round's checkpoint is saved.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from coordinator import config
 from coordinator.errors import RunFailure, UserError
+from coordinator.field.absence import EmptyFederation
 from coordinator.field.connection import FieldConfig
 from coordinator.field.hub import FieldHub
 from coordinator.field.outage import BrokerOutage
@@ -53,9 +55,10 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
                 w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate,
                                run.rundir, run.w0(), resume=resume, progress=progress, checkpoint=run.checkpoint,
                                observers=observers)
-        except BrokerOutage as e:
+        except (BrokerOutage, EmptyFederation) as e:
             run.rundir.save_unsaved_checkpoint()  # the last finished round, if --checkpoint-every had not saved it
-            raise RunFailure(f"{e}; {how_to_resume(run.rundir.path)}") from None
+            when = "the broker is back" if isinstance(e, BrokerOutage) else "agents are back"
+            raise RunFailure(f"{e}; {how_to_resume(run.rundir.path, when)}") from None
         run.save_final(w)
         run.rundir.file("model.onnx").write_bytes(export_onnx(run.eval_model, w, run.input_shape))  # final model
         finished = True
@@ -64,15 +67,16 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
         hub.stop(finished)
 
 
-def how_to_resume(path: Path) -> str:
-    """After a broker outage: which rounds are saved in the run directory, and how to go on."""
+def how_to_resume(path: Path, when: str = "the broker is back") -> str:
+    """After a broker outage or an empty federation: which rounds are saved in the run directory, and how to go
+    on `when` the cause is gone."""
     ck = path / CHECKPOINT
     if not ck.exists():
-        return (f"no round had finished: once the broker is back, start the run again (the same command; "
+        return (f"no round had finished: once {when}, start the run again (the same command; "
                 f"{path} holds no finished round)")
     try:
         done = f"rounds 0..{load_checkpoint_file(ck)['round']} are checkpointed in {path}"
     except UserError:
         done = f"{ck} is damaged (the previous checkpoint may be whole)"
-    return (f"{done}: once the broker is back, resume with the same command plus --resume "
+    return (f"{done}: once {when}, resume with the same command plus --resume "
             f"(`dropfl coordinator ... --out {path} --resume`; a trial: `dropfl trial --resume {path}`)")

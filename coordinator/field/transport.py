@@ -76,6 +76,7 @@ class MqttTransport:
         self.scans = 0  # bookkeeping passes over the round's clients, all rounds (SCAN_EVERY_S; tests read it)
         hub.layout = feddd.unit_layout(model)
         self.stats: dict[str, float] = {}
+        self._empty_mark = hub.empty_time(time.monotonic())  # empty-federation time counted in earlier rounds
 
     def _publish_model(self, t: int, w: torch.Tensor, onnx_bytes: bytes, digest: str | None = None,
                        device: str | None = None) -> None:
@@ -115,7 +116,9 @@ class MqttTransport:
             hub.reasm.drop(before_round=t)
             r = hub.round = RoundState(t, {task.client: task for task in tasks}, start, digest=wire.model_digest(w))
             seen_connects = hub.connects
-            down = down0 = hub.downtime(start)  # time disconnected from the broker (coordinator/field/outage.py)
+            # time disconnected from the broker (outage.py) and suspended with nobody there (absence.py)
+            down = hub.downtime(start) + hub.empty_time(start)
+            outage0 = hub.downtime(start)
             lost_at: dict[int, float] = {}  # selected clients lost (offline) without an update, since when
         for task in tasks:  # tasks first: an agent then trains before it evaluates the ONNX model
             self._publish_task(task, r.digest)
@@ -134,7 +137,8 @@ class MqttTransport:
                     continue
                 last_scan = now
                 self.scans += 1
-                shift = hub.downtime(now) - down  # deadlines are suspended while disconnected from the broker
+                # deadlines are suspended while disconnected from the broker, or with nobody there
+                shift = hub.downtime(now) + hub.empty_time(now) - down
                 deadline, hard_end, down = deadline + shift, hard_end + shift, down + shift
                 gone, awaited = set(), hub.awaited(now)  # awaited: cut off by a broker outage, reconnecting
                 for c in r.tasks:
@@ -145,6 +149,15 @@ class MqttTransport:
                             r.dropped[c] = "offline"
                 lost = {c for c in r.tasks if c not in r.updates and (c in gone or r.dropped.get(c) == "offline")}
                 lost_at = {c: lost_at.get(c, now) for c in lost}
+                if not r.updates and any(r.dropped.get(c) == "offline" for c in r.tasks) and \
+                        hub.nobody_online(now) is not None:  # everyone gone: not a result (absence.py)
+                    hub.wait_while_empty(hub.nobody_online, f"round {t} is suspended")  # EmptyFederation
+                    back = {c for c in r.tasks if r.dropped.get(c) == "offline" and c not in r.updates}
+                    for c in back:
+                        del r.dropped[c]
+                    hub.await_back({d for c in back if (d := hub.device_of(c)) is not None}, time.monotonic())
+                    last_scan, lost_at = float("-inf"), {}
+                    continue
                 settling = any(now - at < LOSS_SETTLE_S for at in lost_at.values())  # outage.py LOSS_SETTLE_S
                 if all(r.resolved(c) or c in gone for c in r.tasks) and not settling:
                     break
@@ -181,8 +194,10 @@ class MqttTransport:
                     continue
                 hub.cond.wait(timeout=min(deadline - now, 0.5) if now < deadline else 0.2)
             r.closed = True
-            wall_s = time.monotonic() - start
-            outage_s = hub.downtime(time.monotonic()) - down0
+            end = time.monotonic()
+            wall_s = end - start
+            outage_s = hub.downtime(end) - outage0
+            empty_s, self._empty_mark = hub.empty_time(end) - self._empty_mark, hub.empty_time(end)
         for c in r.tasks:
             if c not in r.updates and c not in r.dropped:
                 r.dropped[c] = "deadline"
@@ -200,13 +215,20 @@ class MqttTransport:
         self.stats = {"upload_bytes": float(sum(u.report.upload_bytes for u in updates.values())),
                       "download_bytes": float(sum(u.report.download_bytes for u in updates.values())),
                       "rejected_messages": float(sum(r.rejects.values())),  # all codes; by code in field.jsonl
-                      "broker_outage_s": outage_s}  # the round's time disconnected from the broker
+                      "broker_outage_s": outage_s,  # the round's time disconnected from the broker
+                      # the round's time waiting with nobody there (its start included; coordinator/field/absence.py)
+                      "empty_federation_s": empty_s}
         self._log_round(r, updates, wall_s, export_s)
         with hub.cond:  # what the round cost each aggregated device (coordinator/field/telemetry.py)
             rows = [telemetry.row(t, c, hub.device_of(c), r.updates[c].meta, r.stats.get(c, {}),
                                   updates[c].report.download_bytes) for c in updates]
         telemetry.write_rows(hub.field_log.with_name("telemetry.jsonl"), rows)
         dropped = {c: why for c, why in r.dropped.items() if c not in updates}
+        if not updates:  # recorded (someone is still there), never silently: each drop has its reason
+            log.warning("round %d: no participant: %d selected, dropped %s", t, len(tasks), ", ".join(
+                f"client {c} {why}" for c, why in sorted(dropped.items())) or "none",
+                extra={"fields": {"round": t, "selected": len(tasks),
+                                  "dropped": {str(c): w for c, w in dropped.items()}}})
         return updates, dropped
 
     def _extended_for(self, r: RoundState, gone: set[int], now: float, hard_end: float) -> list[int]:
