@@ -23,6 +23,7 @@ also gives back what the clients measured (`LoggedRound.reports`) and the tasks 
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -270,3 +271,21 @@ class Replay:
             avail[list(ra.drops)] = False
             return RoundAvailability(avail, {**ra.reasons, **ra.drops})
         return ra
+
+
+def recorded_engine(trace: str | Path) -> tuple[str | None, str]:
+    """The engine that reproduces the run that wrote `trace` bit for bit, and why; (None, why) where the default
+    does as well or the run is unknown. A field run (`field.json` beside the log) trained on its agents with the
+    per-client loop (edge_client/trainer.py `local_train`), whatever its `config.json` says (the coordinator's
+    config records the simulation's default engine, which it never used): `loop`. A simulation recorded with
+    `--engine loop`: `loop`. The batched and Ray engines give batched's bits, the default's."""
+    run = Path(trace).parent
+    if (run / "field.json").exists():
+        return "loop", f"{run} is a field run: its agents trained with the per-client loop"
+    try:
+        engine = json.loads((run / "config.json").read_text())["train"]["engine"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, f"no run's config.json beside {trace}"
+    if engine == "loop":
+        return "loop", f"{run} was simulated with --engine loop"
+    return None, f"{run} was simulated with --engine {engine}"

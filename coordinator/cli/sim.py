@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 from coordinator import config
 from coordinator.dashboard import server as dashboard
+
+log = logging.getLogger("dropfl.replay")
 
 
 def add_parser(sub) -> None:
@@ -36,6 +40,8 @@ def run(args) -> int:
     from coordinator.strategies import STRATEGIES
 
     cfg = config.resolve(args, list(STRATEGIES))
+    if cfg.availability.kind == "replay":
+        replay_engine(cfg, args)
     out = cfg.run.out or default_out(cfg)
     cfg.run.out = out
     with dashboard.serving(args, out):
@@ -46,6 +52,31 @@ def run(args) -> int:
         print(f"final: round {last['round']}, accuracy {100 * last['accuracy']:.2f}%, "
               f"uploads {last['uploads']}, client uploads {last['client_uploads']}")
     return 0
+
+
+def replay_engine(cfg: config.SimConfig, args) -> None:
+    """A replay trains with the engine that reproduces the recorded run bit for bit (participation.py
+    `recorded_engine`: a field run's, `loop`), unless `--engine` says otherwise. An engine set in the recorded
+    run's own config.json (`--config RUN/config.json`) is a record, not a choice: a field run's says `batched`,
+    which its agents never ran. An explicit choice that cannot be exact is said in one line."""
+    from coordinator.availability.participation import recorded_engine
+
+    want, why = recorded_engine(cfg.availability.trace)
+    if want is None or cfg.train.engine == want:
+        return
+    given = getattr(args, "train.engine", None) is not None
+    own_config = Path(cfg.availability.trace).parent / "config.json"
+    path = getattr(args, "config", None)
+    if not given and path and Path(path).resolve() != own_config.resolve():
+        given = "engine" in config.load_file(path).get("train", {})
+    if given or cfg.train.device == "cuda":
+        log.warning("replay: --engine %s%s matches the recorded run to float rounding, not bit for bit (%s; "
+                    "--engine %s replays it exactly)", cfg.train.engine,
+                    "" if given else " (for --sim-device cuda)", why, want)
+        return
+    log.info("replay: --engine %s, which reproduces the recorded run bit for bit (%s; --engine to choose "
+             "another)", want, why)
+    cfg.train.engine = want
 
 
 def _last_eval(path):
