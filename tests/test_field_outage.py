@@ -32,6 +32,7 @@ from fieldkit import (
     start_coordinator,
 )
 
+from coordinator.cli import main
 from coordinator.rundir import read_metrics
 from coordinator.trial.broker import Mosquitto
 
@@ -167,3 +168,52 @@ def test_trial_resume_refuses_what_it_cannot_resume(tmp_path):
     r = subprocess.run(CLI + ["trial", "--resume", str(trial), "--agents", "3"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--agents" in r.stderr, r.stderr
+
+
+def test_broker_frozen_with_its_socket_open_is_an_outage_not_dropouts(tmp_path, monkeypatch):
+    """The broker is SIGSTOPped while round 1 is open (its TCP connections stay open) for longer than the
+    heartbeat timeout, then SIGCONTed: the coordinator notices the silence (its own probe is not echoed) within
+    3 s, before any agent times out, and treats it as an outage from the last healthy contact: round 1 is
+    suspended, nobody is dropped `offline`, `broker_outage_s` counts it, and the run replays bit for bit."""
+    monkeypatch.setitem(SETTINGS, "clients", 3)
+    out, log = tmp_path / "run", tmp_path / "coordinator.log"
+    broker = Mosquitto(workdir=tmp_path / "broker")
+    watcher = Watcher(broker.port)
+    slow = {"slowdown_s_per_step": 1.0}  # 2 s of training: round 1 is open when the broker freezes
+    configs = {i: agent_config(i, broker.url, tmp_path / "agents", **slow) for i in range(3)}
+    agents = [start_agent(configs[i], tmp_path / "agents" / f"client-{i}.log") for i in range(3)]
+    coord, frozen = None, False
+    heartbeat_timeout = 10.0  # coordinator_cmd's
+    try:
+        coord = start_coordinator(coordinator_cmd(broker.url, out, 3, "fedavg"), log)
+        watcher.wait_for(model_of_round("run-", 1), timeout=180)
+        os.kill(broker.proc.pid, signal.SIGSTOP)
+        frozen = True
+        deadline = time.monotonic() + 60
+        while "has not answered for" not in log.read_text():  # the coordinator's own line: the event
+            assert time.monotonic() < deadline and coord.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(heartbeat_timeout)  # frozen past the heartbeat timeout: nothing to wait for but the clock
+        os.kill(broker.proc.pid, signal.SIGCONT)
+        frozen = False
+        assert coord.wait(timeout=180) == 0, log.read_text()[-3000:]
+    finally:
+        if frozen:
+            os.kill(broker.proc.pid, signal.SIGCONT)
+        for p in [*agents, *([coord] if coord else [])]:
+            kill_group(p, signal.SIGTERM)
+        watcher.close()
+        broker.close()
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert [m["round"] for m in metrics] == [0, 1, 2]
+    assert participants(out / "participation.csv") == {t: {0, 1, 2} for t in range(3)}  # no invented dropout
+    assert metrics[1]["broker_outage_s"] >= heartbeat_timeout  # from the last contact to the thaw
+    assert metrics[0]["broker_outage_s"] == metrics[2]["broker_outage_s"] == 0
+    text = log.read_text()
+    assert re.search(r"waiting for the broker \S+: not answering for \d+ s so far; round 1 is suspended", text)
+    assert "the broker is back after" in text
+    replay = tmp_path / "replay"
+    assert main(["sim", "--config", str(out / "config.json"), "--availability", "replay", "--trace",
+                 str(out / "participation.csv"), "--out", str(replay), "--no-progress"]) == 0
+    field, replayed = torch.load(out / "model.pt"), torch.load(replay / "model.pt")
+    assert all(torch.equal(field[k], replayed[k]) for k in field)

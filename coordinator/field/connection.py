@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from paho.mqtt import client as mqtt
 
 from coordinator.errors import UserError
-from coordinator.field.outage import Outage
+from coordinator.field.outage import PROBE_EVERY_S, Outage
 from edge_client import wire
 from edge_client.agent.config import TOPIC_ROOT, AgentError, Brokers
 
@@ -66,8 +67,10 @@ class Connection(Outage):
             self.brokers = Brokers(cfg.broker, "--broker")
         except AgentError as e:  # the same parser as the agents'
             raise UserError(str(e)) from None
-        self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
-                                client_id=f"dropfl-coordinator-{uuid.uuid4().hex[:8]}", clean_session=True)
+        client_id = f"dropfl-coordinator-{uuid.uuid4().hex[:8]}"
+        self.probe_topic = f"{TOPIC_ROOT}/coordinator/probe/{client_id}"  # to ourselves (outage.py `_silence`)
+        self._probing = threading.Event()
+        self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True)
         self.mqtt.username_pw_set(cfg.username, cfg.password)
         if self.brokers.tls:
             if not cfg.ca_file:
@@ -86,9 +89,21 @@ class Connection(Outage):
     def start(self) -> None:
         self.mqtt.connect_async(*self.brokers.address, keepalive=10)
         self.mqtt.loop_start()
+        threading.Thread(target=self._probe, name="dropfl-broker-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Every PROBE_EVERY_S while connected: a probe through the broker to ourselves, and the silence check
+        (outage.py `_silence`: a broker that stopped answering, its connection open)."""
+        while not self._probing.wait(PROBE_EVERY_S):
+            if not self.mqtt.is_connected():
+                continue
+            self.mqtt.publish(self.probe_topic, b"", qos=0)
+            with self.cond:
+                self._silence(time.monotonic())
 
     def stop(self, finished: bool) -> None:
         self.stopping = True
+        self._probing.set()
         if self.mqtt.is_connected():
             state = "finished" if finished else "offline"
             info = self.mqtt.publish(f"{TOPIC_ROOT}/coordinator/status", self._status(state), qos=1, retain=True)
@@ -111,7 +126,8 @@ class Connection(Outage):
             log.warning("broker refused the connection: %s", reason_code)
             return
         dev = f"{TOPIC_ROOT}/device/+"  # clean session: subscribe on every connect
-        client.subscribe([(f"{dev}/status", 1), (f"{dev}/heartbeat", 0), (f"{dev}/update/#", 1)])
+        client.subscribe([(f"{dev}/status", 1), (f"{dev}/heartbeat", 0), (f"{dev}/update/#", 1),
+                          (self.probe_topic, 0)])
         status = f"{TOPIC_ROOT}/coordinator/status"
         client.publish(status, self._status("online"), qos=1, retain=True)  # for late subscribers (mosquitto)
         # the announce request: agents answer with their status; after the subscribe on this connection,
@@ -120,6 +136,7 @@ class Connection(Outage):
         log.info("connected to the broker %s", self.brokers.url)
         with self.cond:
             self.connects += 1
+            self.last_contact = time.monotonic()
             self._outage_ended()  # a reconnect ends a broker outage (coordinator/field/outage.py)
             self.cond.notify_all()
 
@@ -128,6 +145,7 @@ class Connection(Outage):
             return
         with self.cond:  # unexpected: no round opens or closes until we are back (coordinator/field/outage.py)
             self._outage_began()
+            self.silent = False  # from now on unreachable, whatever began the outage
         url = self.brokers.rotate(client)
         if reason_code.is_failure:
             log.warning("disconnected from the broker (%s); reconnecting to %s", reason_code, url)
@@ -138,10 +156,11 @@ class Connection(Outage):
 
     def _on_message(self, client, userdata, msg) -> None:
         parts = msg.topic.split("/")
-        if len(parts) < 5 or parts[2] != "device":
-            return
-        device, sub = parts[3], "/".join(parts[4:])
         with self.cond:
+            self._contact(time.monotonic())  # anything from the broker (a probe's echo too): it answers
+            if len(parts) < 5 or parts[2] != "device":
+                return
+            device, sub = parts[3], "/".join(parts[4:])
             try:
                 self._dispatch(device, sub, msg.payload, bool(msg.retain))
             except Exception as e:  # a bug, not bad input (that is a reject): keep paho's network thread alive

@@ -2,8 +2,8 @@
 
 `Outage` is part of the coordinator's `Connection` (coordinator/field/connection.py), under the hub's lock
 `cond`. paho's network thread marks where an outage begins (`_outage_began`, on an unexpected disconnect)
-and ends (`_outage_ended`, on the reconnect). The loop's thread never acts on what it cannot see while
-disconnected:
+and ends (`_outage_ended`, on the reconnect, or on the first message after a silence). The loop's thread
+never acts on what it cannot see while disconnected:
 
 - `FieldAvailability.round` (registry.py) starts no round while disconnected: it `wait_until_settled`s.
 - `MqttTransport.run_round` (transport.py) neither drops clients nor closes the round while disconnected:
@@ -13,6 +13,10 @@ disconnected:
   (their own reconnect, paho's backoff) plus a heartbeat timeout, until heard from again. Meanwhile the
   open round does not count them as gone (their outage-time `offline` drop is undone), and the next round
   waits for them before it looks who is available.
+- A broker that stops answering while its connection stays open (frozen: SIGSTOP, a hung host) is an outage
+  too: the coordinator publishes a probe to its own topic every PROBE_EVERY_S, and when nothing at all
+  (an echo, any message) has arrived for BROKER_SILENT_S while connected, the outage begins, dated from the
+  last healthy contact (`_silence`, on the probe thread); the next message ends it (`_contact`).
 - `wait_for_broker` logs that it is waiting, with the time so far, and raises `BrokerOutage` (a RunFailure,
   exit 1) once the outage has lasted `--broker-outage-timeout`; coordinator/field/run.py then saves the
   last finished round's checkpoint and says how to resume.
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dropfl.coordinator")
 
+PROBE_EVERY_S = 0.5      # the coordinator publishes a probe to itself through the broker this often
+BROKER_SILENT_S = 3.0    # nothing at all from the broker for this long, its connection open: an outage
 AGENT_RECONNECT_S = 3.0  # an agent's own reconnect after an outage: paho's backoff (at most 2 s) and the connect
 LOG_EVERY_S = 10.0       # while waiting for the broker, say so this often
 # a round whose last outstanding clients went offline less than this ago does not close yet: a broker that
@@ -62,12 +68,16 @@ class Outage:
         self._alive_at_outage: set[str] = set()
         self.expected_back: set[str] = set()  # devices awaited after the last outage (`awaited`)
         self.reconnected_at = self.back_by = 0.0
+        self.last_contact = 0.0               # monotonic time the broker last delivered anything to us
+        self.silent = False                   # the outage in progress began by silence, not by a disconnect
 
     # --- paho's network thread, under cond ---
-    def _outage_began(self) -> None:
+    def _outage_began(self, since: float | None = None) -> None:
+        """An outage from `since` (the last healthy contact, for a broker that stopped answering), or now."""
         if self.down_since is not None:
             return
-        now = self.down_since = time.monotonic()
+        now = time.monotonic()
+        self.down_since = now if since is None else since
         self.outages += 1
         # alive by its heartbeats, whatever its status says: a broker going down may send last wills first
         self._alive_at_outage = {d for d, a in self.agents.items()
@@ -79,7 +89,7 @@ class Outage:
         if self.down_since is None:
             return
         now = time.monotonic()
-        lasted, self.down_since = now - self.down_since, None
+        lasted, self.down_since, self.silent = now - self.down_since, None, False
         self.downtime_s += lasted
         self.reconnected_at, self.back_by = now, now + AGENT_RECONNECT_S + self.cfg.heartbeat_timeout_s
         self.expected_back, self._alive_at_outage = self._alive_at_outage, set()
@@ -92,6 +102,24 @@ class Outage:
         log.info("the broker is back after %.1f s; awaiting %d agents for up to %.0f s", lasted,
                  len(self.expected_back), self.back_by - now)
         self.cond.notify_all()
+
+    def _contact(self, now: float) -> None:
+        """The broker delivered something (a probe's echo, any message): it answers. Ends an outage that began
+        by silence; one that began by a disconnect ends with the reconnect (`_on_connect`)."""
+        self.last_contact = now
+        if self.silent:
+            self._outage_ended()
+
+    def _silence(self, now: float) -> None:
+        """The probe thread, connected: nothing at all from the broker for BROKER_SILENT_S, though it has
+        its own probes to echo every PROBE_EVERY_S (a frozen broker, its socket still open). An outage, measured
+        from the last healthy contact."""
+        if self.down_since is not None or not self.last_contact or now - self.last_contact < BROKER_SILENT_S:
+            return
+        log.warning("the broker %s has not answered for %.1f s (its connection is open): a broker outage",
+                    self.cfg.broker, now - self.last_contact)
+        self.silent = True
+        self._outage_began(since=self.last_contact)
 
     # --- the loop's thread, under cond ---
     def downtime(self, now: float) -> float:
@@ -133,12 +161,13 @@ class Outage:
         while self.down_since is not None:
             now = time.monotonic()
             down = now - self.down_since
+            state = "not answering" if self.silent else "unreachable"
             if down >= limit:
-                raise BrokerOutage(f"the broker {self.cfg.broker} has been unreachable for {down:.0f} s "
+                raise BrokerOutage(f"the broker {self.cfg.broker} has been {state} for {down:.0f} s "
                                    f"(--broker-outage-timeout {limit:g})")
             if now >= next_log:
-                log.warning("waiting for the broker %s: unreachable for %.0f s so far; %s (giving up after %g s, "
-                            "--broker-outage-timeout)", self.cfg.broker, down, what, limit,
+                log.warning("waiting for the broker %s: %s for %.0f s so far; %s (giving up after %g s, "
+                            "--broker-outage-timeout)", self.cfg.broker, state, down, what, limit,
                             extra={"fields": {"outage_s": round(down, 3), "waiting": what}})
                 next_log = now + LOG_EVERY_S
             self.cond.wait(timeout=max(min(limit - down, next_log - now), 0.01))
