@@ -31,9 +31,10 @@ FIELD_OPTIONS = {  # flag: (FieldConfig field, type, help)
     "--wait-agents": ("wait_agents", int, "agents to wait for before round 0 (default: --clients)"),
     "--wait-timeout": ("wait_timeout_s", float, "give up waiting for agents after this long (default: 120)"),
     "--round-wait": ("round_wait_s", float, "at each round start, wait up to this long for absent agents (default: 0)"),
-    "--broker-outage-timeout": ("broker_outage_timeout_s", float, "disconnected from the broker this long: stop "
-                                "(exit 1) with the finished rounds checkpointed, to --resume later; meanwhile no "
-                                "round starts and the open one's deadline is suspended (default: 300)"),
+    "--broker-outage-timeout": ("broker_outage_timeout_s", float, "disconnected from the broker (or no answer "
+                                "from it, its connection open, 3 s on) this long: stop (exit 1) with the finished "
+                                "rounds checkpointed, to --resume later; meanwhile no round starts and the open "
+                                "one's deadline is suspended (default: 300)"),
     "--empty-federation-timeout": ("empty_federation_timeout_s", float, "nobody there to take part this long: "
                                    "stop (exit 1) with the finished rounds checkpointed, to --resume later; "
                                    "meanwhile no round starts while no agent is available, and a round in which "

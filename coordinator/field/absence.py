@@ -1,8 +1,8 @@
 """Field mode: an empty federation (no agent there to take part) burns no round; it waits, then gives up.
 
 An empty round in the field is not the answer of a model of availability, as in simulation: every agent
-gone at once is a fault (agents killed, a network cut, a broker that stopped answering). `Absence` is part
-of `FieldHub` (coordinator/field/hub.py), used by the loop's thread under the hub's lock `cond`:
+gone at once is a fault (agents killed, a network cut; a broker that stops answering is an outage, outage.py).
+`Absence` is part of `FieldHub` (coordinator/field/hub.py), used by the loop's thread under the hub's lock `cond`:
 
 - `FieldAvailability.round` (registry.py) starts no round while no client is available (`nobody_available`):
   it `wait_while_empty`s until one is.
