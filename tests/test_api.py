@@ -136,6 +136,20 @@ def test_simulate_takes_a_mapping_and_checks_it(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("flags,config,field_config", [
+    (["--availability", "bounded"], {"availability": {"kind": "bounded"}}, {}),
+    (["--deadline", "-1"], None, {"deadline_s": -1.0}),
+    (["--broker", "http://x"], None, {"broker": "http://x"}),
+])
+def test_field_refuses_as_the_coordinator_command(tmp_path, capsys, flags, config, field_config):
+    out = tmp_path / "out"
+    rc, line = _cli_error(["coordinator", *flags, "--out", str(out), "--no-progress"], capsys)
+    with pytest.raises(dropfl.UserError) as e:
+        dropfl.field(config, out, dropfl.FieldConfig(**field_config))
+    assert rc == 2 and f"dropfl: error: {e.value}" == line
+    assert not out.exists()
+
+
 def test_run_directory_refuses_a_directory_without_a_run(tmp_path):
     with pytest.raises(dropfl.UserError, match="holds no run"):
         dropfl.RunDirectory(tmp_path)
