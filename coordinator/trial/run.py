@@ -8,6 +8,10 @@ checkpoint.pt, model.pt, model.onnx) plus `agents/<id>/{agent.json,agent.log,tra
 `dropfl trial --resume RUN` needs to start the same trial again: `trial-config.json` (the run's config)
 and `trial.json` (the trial's own options, `TrialOptions`).
 Replay: `dropfl sim --availability replay --trace RUN/participation.csv` with the same options.
+
+Check first, then write (ARCHITECTURE principle 8): `check_trial` checks everything a trial is given (the run
+directory, the coordinator's setup of the run, mosquitto, --broker-dir, --links) before anything is written
+or started; `run_trial` calls it first unless its caller (the CLI, before it serves the dashboard) already did.
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from coordinator import config
 from coordinator.errors import RunFailure, UserError
-from coordinator.rundir import CHECKPOINT, load_checkpoint_file
+from coordinator.rundir import CHECKPOINT, check_out, load_checkpoint_file
 
 log = logging.getLogger("dropfl.trial")
 
@@ -54,6 +58,8 @@ class TrialOptions:
     links: str | None = None
     broker_dir: str | None = None
     broker_outage_timeout_s: float = 300.0
+    # the other `dropfl coordinator` field options given (FieldConfig names: heartbeat_timeout_s, run_id, ...)
+    coordinator: dict = field(default_factory=dict)
 
     def save(self, out: Path) -> None:
         tmp = out / (TRIAL_JSON + ".tmp")
@@ -69,6 +75,8 @@ class TrialOptions:
                     not isinstance(opts.profiles, list) or not opts.profiles or \
                     any(p not in PROFILES for p in opts.profiles):
                 raise ValueError(f"agents {opts.agents!r}, profiles {opts.profiles!r}")
+            if not isinstance(opts.coordinator, dict) or set(opts.coordinator) - set(coordinator_flags()):
+                raise ValueError(f"coordinator {opts.coordinator!r}")
         except (OSError, ValueError, TypeError) as e:  # TypeError: not an object, or keys TrialOptions lacks
             raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {str(e)[:80]}); restore it "
                             f"(it holds the trial's options: --agents, --profiles, --deadline, ...)") from None
@@ -146,31 +154,148 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def coordinator_flags() -> dict[str, str]:
+    """{FieldConfig name: flag} of `dropfl coordinator`'s field options (coordinator/cli/coordinator.py
+    FIELD_OPTIONS, the one table of them): how a trial passes them on to its coordinator."""
+    from coordinator.cli.coordinator import FIELD_OPTIONS
+
+    return {dest: flag for flag, (dest, _, _) in FIELD_OPTIONS.items()}
+
+
+def heartbeat_timeout(heartbeat_s: float) -> float:
+    """A trial's --heartbeat-timeout unless one is given: ten of the agents' heartbeats, at least 5 s."""
+    return max(10 * heartbeat_s, 5.0)
+
+
+def coordinator_command(out: Path, broker_url: str, deadline_s: float, heartbeat_s: float,
+                        broker_outage_timeout_s: float, options: dict | None = None, resume: bool = False,
+                        overwrite: bool = False, broker_config: Path | None = None, progress: bool = True) -> list[str]:
+    """The trial's `dropfl coordinator` command line: its config is RUN/trial-config.json, its broker the trial's;
+    every field option in `options` ({FieldConfig name: value}) as its flag, `--flag=value` (a value may start
+    with '-'). The heartbeat timeout follows the agents' heartbeat unless `options` gives one."""
+    flags = coordinator_flags()
+    given = {"deadline_s": deadline_s, "heartbeat_timeout_s": heartbeat_timeout(heartbeat_s),
+             "broker_outage_timeout_s": broker_outage_timeout_s} | (options or {})
+    cmd = [sys.executable, "-m", "coordinator.cli", "coordinator", "--config", str(out / TRIAL_CONFIG),
+           "--broker", broker_url, "--out", str(out)]
+    cmd += [f"{flags[dest]}={v}" for dest, v in given.items()]
+    cmd += ["--resume"] if resume else ["--overwrite"] if overwrite else []
+    if broker_config is not None:  # the coordinator's account; --broker above keeps it on 127.0.0.1
+        cmd += ["--broker-config", str(broker_config)]
+    return cmd + ([] if progress else ["--no-progress"])
+
+
+def check_trial(cfg: config.SimConfig, out: Path, links: str | Path | None = None,
+                broker_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False) -> None:
+    """Everything a trial is given, checked before anything is written or started (UserError if not):
+    the run directory (a run there only with --overwrite or --resume), what the coordinator checks when it
+    sets up the run (runsetup.setup_run in field mode: strategy, dataset, binding, model, the checkpoint to
+    resume, --track), that mosquitto is installed, the --broker-dir and the --links file."""
+    import torch
+
+    from coordinator import runsetup, tracking
+    from edge_client.models import build_model
+
+    n = cfg.data.clients
+    if cfg.availability.kind != "always":
+        raise UserError(f"--availability {cfg.availability.kind}: a field trial's availability comes from its "
+                        f"agents (their batteries, --profiles), not from a model; leave it out")
+    if broker_dir and links:
+        raise UserError("--broker-dir cannot be combined with --links (the provisioned broker's listener is its own)")
+    path = check_out(out, resume=resume, overwrite=overwrite)
+    if mosquitto_exe() is None:
+        raise UserError("mosquitto not found: install the Debian package (apt-get install mosquitto)")
+    if broker_dir:
+        _check_broker_dir(Path(broker_dir))
+    if links:
+        from coordinator.field.netem import Links, check_support, load_links
+        Links(load_links(links, n))  # the plan, for 1..MAX_AGENTS agents (nothing is set up yet)
+        check_support()  # root, ip, tc
+        if resume:
+            _links_record(out)
+    # the coordinator's own setup checks (runsetup.setup_run, mode "field"), here before the broker starts
+    runsetup.build_strategy(cfg)
+    ds = runsetup.load_dataset(cfg)
+    runsetup.binding_of(cfg, ds)
+    try:
+        model = build_model(cfg.model.model, tuple(ds.train.x.shape[1:]), ds.num_classes, cfg.run.seed,
+                            cfg.model.dropout)
+    except ValueError as e:
+        raise UserError(f"--model {cfg.model.model}: {e}") from None
+    try:  # one test sample through it: a model too deep for the dataset's images fails here, not in round 0
+        with torch.no_grad():
+            model.eval()(ds.test.x[:1])
+    except RuntimeError as e:
+        raise UserError(f"--model {cfg.model.model} does not fit --dataset {cfg.data.dataset}'s "
+                        f"{tuple(ds.test.x.shape[1:])} inputs ({_one_line(e)[:120]}); choose a model for it") from None
+    if resume:
+        runsetup.check_resume(cfg, path, model)
+    tracking.check(tracking.parse(cfg.run.track), path, cfg.run.track_dir, resume, overwrite)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def mosquitto_exe() -> str | None:
+    from coordinator.trial.broker import MOSQUITTO
+
+    return shutil.which("mosquitto") or (MOSQUITTO if os.path.exists(MOSQUITTO) else None)
+
+
+def _check_broker_dir(root: Path) -> None:
+    """--broker-dir: a broker directory (`dropfl provision init`) with its settings and the coordinator's
+    account, read only (the trial adds missing device bundles later, after every check)."""
+    from provisioning import broker as prov
+
+    try:
+        prov.load_settings(prov.BrokerDir(root.resolve()))
+        creds = json.loads((root / "coordinator.json").read_text())
+        missing = [k for k in ("broker", "username", "password") if k not in creds]
+        if missing:
+            raise ValueError(f"coordinator.json lacks {', '.join(missing)}")
+    except prov.ProvisionError as e:
+        raise UserError(f"--broker-dir: {e}") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"--broker-dir {root}: not a whole broker directory ({type(e).__name__}: {str(e)[:100]}); "
+                        f"make one with `dropfl provision init DIR`") from None
+
+
 def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s: float, heartbeat_s: float,
               max_slowdown: float, progress: bool, links: str | Path | None = None,
               broker_dir: str | Path | None = None, broker_outage_timeout_s: float = 300.0,
-              resume: bool = False, overwrite: bool = False) -> str:
+              resume: bool = False, overwrite: bool = False, coordinator: dict | None = None,
+              checked: bool = False) -> str:
     """Run a trial in `out`. `resume`: the trial in `out` again from its last checkpoint (a new private
     broker, the same agent configs but for the broker's address, the coordinator with --resume); else a new
-    trial, whose options are saved in `out`/trial.json and config in `out`/trial-config.json first.
-    `overwrite`: replace the run in `out` (the coordinator's --overwrite)."""
+    trial, whose config is saved in `out`/trial-config.json first. Its options go to `out`/trial.json either way.
+    `overwrite`: replace the run in `out` (the coordinator's --overwrite). `coordinator`: the coordinator's other
+    field options ({FieldConfig name: value}, e.g. {"upload_extension_s": 2.0}). `checked`: `check_trial` ran
+    already (the CLI's), else it runs first: nothing is written or started before it passes."""
     from coordinator.field.netem import Links, load_links
     from coordinator.trial.broker import Mosquitto
     from coordinator.trial.tls import ProvisionedBroker, device_agent_keys, write_private
 
     n = cfg.data.clients
-    if broker_dir and links:
-        raise UserError("--broker-dir cannot be combined with --links (the provisioned broker's listener is its own)")
+    if not checked:
+        check_trial(cfg, out, links, broker_dir, resume, overwrite)
+    coordinator = dict(coordinator or {})
+    # --- everything checked: from here on the run directory and the broker directory (bundles) are written ---
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # what check_out cannot know before it tries (root in /proc, say)
+        raise UserError(f"--out {out}: cannot create the run directory ({e.strerror}); choose another --out") from None
     tls = device_agent_keys(broker_dir, n) if broker_dir else None  # agent i: device client-<i>'s bundle keys
     net = Links(load_links(links, n)) if links else None  # link emulation (coordinator/field/netem.py)
     links_before = _links_record(out) if net and resume else {}  # the interrupted sessions' link record
-    out.mkdir(parents=True, exist_ok=True)
     if overwrite and not resume:
         _remove_trial_files(out)
-    if not resume:  # what `dropfl trial --resume` needs, before anything starts
-        TrialOptions(n, list(profiles), deadline_s, heartbeat_s, max_slowdown,
-                     str(Path(links).resolve()) if links else None,
-                     str(Path(broker_dir).resolve()) if broker_dir else None, broker_outage_timeout_s).save(out)
+    # what `dropfl trial --resume` needs, before anything starts
+    TrialOptions(n, list(profiles), deadline_s, heartbeat_s, max_slowdown,
+                 str(Path(links).resolve()) if links else None,
+                 str(Path(broker_dir).resolve()) if broker_dir else None, broker_outage_timeout_s,
+                 coordinator).save(out)
+    if not resume:
         (out / TRIAL_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     procs: list[subprocess.Popen] = []
     logs = []
@@ -200,16 +325,12 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                     prefix = net.exec_prefix(i) if net else []  # inside agent i's network namespace
                     procs.append(subprocess.Popen(prefix + py + ["client", "--config", str(adir / "agent.json")],
                                                   stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
-                trial_cfg = out / TRIAL_CONFIG
                 logs.append(open(out / "coordinator.log", "a" if resume else "w"))
-                cmd = py + ["coordinator", "--config", str(trial_cfg), "--broker", broker.url, "--out", str(out),
-                            "--deadline", str(deadline_s), "--heartbeat-timeout", str(max(10 * heartbeat_s, 5.0)),
-                            "--broker-outage-timeout", str(broker_outage_timeout_s)]
-                cmd += ["--resume"] if resume else ["--overwrite"] if overwrite else []
-                if broker_dir:  # the coordinator's account; --broker above keeps it on 127.0.0.1
-                    cmd += ["--broker-config", str(broker.coordinator_json)]
-                coord = subprocess.Popen(cmd + ([] if progress else ["--no-progress"]), stdout=logs[-1],
-                                         stderr=None if progress else subprocess.STDOUT, start_new_session=True)
+                cmd = coordinator_command(out, broker.url, deadline_s, heartbeat_s, broker_outage_timeout_s,
+                                          coordinator, resume, overwrite,
+                                          broker.coordinator_json if broker_dir else None, progress)
+                coord = subprocess.Popen(cmd, stdout=logs[-1], stderr=None if progress else subprocess.STDOUT,
+                                         start_new_session=True)
                 procs.append(coord)
                 if net:  # trace time 0 = the first session's coordinator start; a resumed trial goes on from
                     net.start_clock(links_before.get("clock_s", 0.0))  # the trace time the last one reached
