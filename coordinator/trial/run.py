@@ -194,6 +194,7 @@ def check_trial(cfg: config.SimConfig, out: Path, links: str | Path | None = Non
     import torch
 
     from coordinator import runsetup, tracking
+    from edge_client import datasets
     from edge_client.models import build_model
 
     n = cfg.data.clients
@@ -215,7 +216,10 @@ def check_trial(cfg: config.SimConfig, out: Path, links: str | Path | None = Non
             _links_record(out)
     # the coordinator's own setup checks (runsetup.setup_run, mode "field"), here before the broker starts
     runsetup.build_strategy(cfg)
-    ds = runsetup.load_dataset(cfg)
+    try:  # not runsetup.load_dataset, which keeps it: this process has no use for it while the trial runs
+        ds = datasets.load(cfg.data.dataset, cfg.data.data_dir)
+    except datasets.DatasetError as e:
+        raise UserError(str(e)) from None
     runsetup.binding_of(cfg, ds)
     try:
         model = build_model(cfg.model.model, tuple(ds.train.x.shape[1:]), ds.num_classes, cfg.run.seed,
