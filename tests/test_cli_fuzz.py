@@ -22,6 +22,7 @@ functions are replaced by stubs after the CLI's own validation), `links` is only
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -39,7 +40,7 @@ from hypothesis import strategies as st
 
 from coordinator import cli
 from coordinator.config import SECTIONS
-from edge_client import logs
+from edge_client import datasets, logs
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -471,10 +472,17 @@ def no_network(monkeypatch):
         check_out(out, resume, overwrite)
 
     def trial_stub(cfg, out, profiles, deadline_s, heartbeat_s, max_slowdown, progress, links=None,
-                   broker_dir=None, broker_outage_timeout_s=300.0, resume=False, overwrite=False):
+                   broker_dir=None, broker_outage_timeout_s=300.0, resume=False, overwrite=False, coordinator=None,
+                   checked=False):
+        assert checked  # the CLI ran check_trial: everything a trial is given, before the run starts or writes
         assert math.isfinite(broker_outage_timeout_s) and broker_outage_timeout_s > 0, broker_outage_timeout_s
         assert all(math.isfinite(v) for v in (deadline_s, heartbeat_s, max_slowdown)), (deadline_s, heartbeat_s)
         assert deadline_s > 0 and heartbeat_s > 0 and max_slowdown >= 0, (deadline_s, heartbeat_s, max_slowdown)
+        # the coordinator's other field options: as its own checks would have them (FIELD_LIMITS)
+        from coordinator.cli.coordinator import FIELD_LIMITS
+        for name, v in (coordinator or {}).items():
+            if name in FIELD_LIMITS:
+                assert math.isfinite(v) and v >= 0 and (v > 0 or "gt" not in FIELD_LIMITS[name]), (name, v)
         return "stub"
 
     def agent_run(self):  # what Agent.run does before it waits on the broker
@@ -485,6 +493,7 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(coord_cli, "run_field", field_stub)
     monkeypatch.setattr(trial_cli, "run_trial", trial_stub)
+    monkeypatch.setattr(datasets, "load", _cached_load)  # check_trial reads the dataset; once here, not per case
     monkeypatch.setattr(agent_pkg.Agent, "run", agent_run)
     monkeypatch.setattr(agent_pkg.signal, "signal", lambda *a: None)
 
@@ -499,8 +508,30 @@ def test_field_flags(box, no_network, sub, data):
         fuzzed = ["--deadline", "nan", "--heartbeat" if sub == "trial" else "--wait-timeout", "inf"]
     else:
         fuzzed = data.draw(flag_args(SUBS[sub]))
-    head = (sub, "--agents", "4") if sub == "trial" else (sub,)
-    check(box, _sim_argv(fuzzed, box, case, head=head), case)
+    if sub == "trial":  # no --engine: a trial refuses the simulation's options
+        argv = ["trial", "--agents", "4", *TRIAL_BASE, *[_fill(a, case, box) for a in fuzzed]]
+    else:
+        argv = _sim_argv(fuzzed, box, case, head=(sub,))
+    check(box, argv, case)
+
+
+TRIAL_BASE = [a for i, a in enumerate(SIM_BASE) if "--engine" not in SIM_BASE[max(i - 1, 0):i + 1]]
+_cached_load = functools.lru_cache(maxsize=2)(datasets.load)
+
+
+@pytest.mark.parametrize("fuzzed", [
+    ["--availability", "bounded"], ["--engine", "loop"], ["--broker", "mqtt://127.0.0.1:1"],
+    ["--upload-extension", "1.5", "--heartbeat-timeout", "3", "--round-wait", "2", "--run-id=-x"],
+    ["--heartbeat-timeout", "0.1"], ["--wait-agents", "5"], ["--out", "{RUN}"], ["--out", "{RUN}", "--overwrite"],
+    ["--resume", "{RUN}"], ["--resume", "adir"], ["--config", "{RUN}/config.json"], ["--links", "afile.txt"],
+    ["--broker-dir", "adir"], ["--model", "vgg11", "--dataset", "mnist"]])
+def test_trial_examples(box, no_network, fuzzed):
+    """The trial's own cases: its coordinator options, and what it refuses before anything starts or is written."""
+    case = box.case_dir()
+    code, err = check(box, ["trial", "--agents", "4", *TRIAL_BASE, *[_fill(a, case, box) for a in fuzzed]], case,
+                      run_may_change="--overwrite" in fuzzed)
+    ok = fuzzed[0] in ("--upload-extension", "--config") or "--overwrite" in fuzzed  # a sim run's config.json: ok
+    assert code == (0 if ok else 2), err
 
 
 def _agent_keys() -> dict[str, list[str]]:
