@@ -270,6 +270,8 @@ def test_resume_bad_input(case, no_start, tmp_path):
     else:
         (run / "trial.json").write_text(json.dumps(opts | (saved or {})))
     (run / "trial-config.json").write_text(json.dumps({"data": {"clients": 3}, "model": {"model": "logreg"}}))
+    if case != "no-checkpoint":
+        (run / "checkpoint.pt").write_bytes(b"")  # something to resume (read only once the options are checked)
     _refused(["trial", "--resume", "run", *argv], tmp_path, no_start, says)
 
 

@@ -19,6 +19,7 @@ from coordinator import config
 from coordinator.cli.coordinator import FIELD_LIMITS, FIELD_OPTIONS
 from coordinator.dashboard import server as dashboard
 from coordinator.errors import UserError
+from coordinator.rundir import check_out
 from coordinator.trial.run import (
     DEFAULT_PROFILES,
     PROFILES,
@@ -257,6 +258,7 @@ def resume(args) -> int:
         raise UserError(f"--resume {out}: not a `dropfl trial` run directory (no {TRIAL_JSON}; trials started "
                         f"before dropfl saved one cannot be resumed as a trial: resume the coordinator with "
                         f"`dropfl coordinator --config {out / 'config.json'} --out {out} --resume ...` and the agents)")
+    check_out(out, resume=True, overwrite=False)  # no checkpoint: nothing to resume, whatever trial.json holds
     opts = TrialOptions.load(out)
     saved = f"in {out / TRIAL_JSON}"
     outage = getattr(args, "field.broker_outage_timeout_s")
