@@ -107,3 +107,15 @@ def test_recorded_engine_of_a_simulation(tmp_path):
         assert recorded_engine(trace)[0] == want
     (tmp_path / "field.json").write_text("{}")
     assert recorded_engine(trace)[0] == "loop"
+
+
+@needs_mosquitto
+def test_a_resumed_replay_goes_on_with_its_own_engine(field_run, tmp_path):
+    """A replay stopped after 2 rounds and resumed without --engine: the engine it started with (loop), the
+    field model bit for bit; not a refusal for a changed engine."""
+    replay, trace = tmp_path / "replay", str(field_run / "participation.csv")
+    argv = ["sim", *flags(field_run), "--availability", "replay", "--trace", trace, "--out", str(replay)]
+    assert main([*argv[:-4], "--rounds", "2", *argv[-4:]]) == 0
+    assert main([*argv, "--resume"]) == 0
+    assert same(field_run, replay)
+    assert engine_of(replay) == ("loop", {"loop"})

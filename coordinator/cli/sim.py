@@ -40,9 +40,9 @@ def run(args) -> int:
     from coordinator.strategies import STRATEGIES
 
     cfg = config.resolve(args, list(STRATEGIES))
-    if cfg.availability.kind == "replay":
-        replay_engine(cfg, args)
     out = cfg.run.out or default_out(cfg)
+    if cfg.availability.kind == "replay":
+        replay_engine(cfg, args, out)
     cfg.run.out = out
     with dashboard.serving(args, out):
         rundir = run_sim(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
@@ -54,21 +54,30 @@ def run(args) -> int:
     return 0
 
 
-def replay_engine(cfg: config.SimConfig, args) -> None:
+def replay_engine(cfg: config.SimConfig, args, out: str) -> None:
     """A replay trains with the engine that reproduces the recorded run bit for bit (participation.py
     `recorded_engine`: a field run's, `loop`), unless `--engine` says otherwise. An engine set in the recorded
     run's own config.json (`--config RUN/config.json`) is a record, not a choice: a field run's says `batched`,
-    which its agents never ran. An explicit choice that cannot be exact is said in one line."""
+    which its agents never ran. An explicit choice that cannot be exact is said in one line. `--resume` goes on
+    with the engine the replay itself started with (its own config.json)."""
     from coordinator.availability.participation import recorded_engine
 
-    want, why = recorded_engine(cfg.availability.trace)
-    if want is None or cfg.train.engine == want:
-        return
     given = getattr(args, "train.engine", None) is not None
     own_config = Path(cfg.availability.trace).parent / "config.json"
     path = getattr(args, "config", None)
     if not given and path and Path(path).resolve() != own_config.resolve():
         given = "engine" in config.load_file(path).get("train", {})
+    if getattr(args, "resume", False) and not given:
+        try:
+            engine = json.loads((Path(out) / "config.json").read_text())["train"]["engine"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # the resume's own checks say what is wrong
+        if engine in ("batched", "loop", "ray"):
+            cfg.train.engine = engine
+        return
+    want, why = recorded_engine(cfg.availability.trace)
+    if want is None or cfg.train.engine == want:
+        return
     if given or cfg.train.device == "cuda":
         log.warning("replay: --engine %s%s matches the recorded run to float rounding, not bit for bit (%s; "
                     "--engine %s replays it exactly)", cfg.train.engine,
