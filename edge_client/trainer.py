@@ -44,6 +44,10 @@ class LocalResult:
     steps: int
     loss: float           # mean training loss over the steps
     seconds: float        # wall time of the training
+    # what actually trained it, where an engine has more than one path (the batched engine's native parts, e.g.
+    # "conv+fc+loss+step"), and why a part it could have used did not run (None: nothing to say)
+    path: str | None = None
+    fallback: str | None = None
 
 
 def client_generator(seed: int, rnd: int, client: int) -> torch.Generator:

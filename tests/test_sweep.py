@@ -9,6 +9,7 @@ whole sweeps (model.pt, metrics without their timing fields, participation.csv: 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -39,7 +40,12 @@ def config(algo: str, seed: int, rounds: int = 3, model: str = "mimic-cnn") -> S
 
 
 def files(run) -> dict:
+    """A run's results. Its metrics' `engine` without the native parts that ran (`batched+native(avx512: conv+fc)`
+    → `batched+native(avx512)`): a lockstep group may run a part that a run alone does not (plain clients beside
+    FedProx ones take the fused update), with the same bits, and each records what it ran."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["engine"] = re.sub(r": [a-z+|]+\)", ")", r["engine"])
     return {"model": (run / "model.pt").read_bytes(),
             "metrics": [{k: v for k, v in r.items() if k not in TIMING} for r in rows],
             "participation": (run / "participation.csv").read_text()}

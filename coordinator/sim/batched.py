@@ -541,7 +541,8 @@ class Group:
             # steps too where the fused update has torch's bits
             if fc is not None and fc.fused:
                 whole = kernels.LeNetStep(layers, fc, conv_steps=kernels.fused_update(self.native, w0.dtype))
-        if whole is not None and whole.conv_steps and tables is not None and tables.dloss is not None:   # one call
+        one_call = whole is not None and whole.conv_steps and tables is not None and tables.dloss is not None
+        if one_call:   # the round's steps in one native call
             ce = whole.steps(tables.rows, tables.ys, tables.dloss.contiguous(), tables.ks)
             loss_all = ((ce * tables.weight).sum(2) / tables.size).double()   # each step's, as below (same ops)
             for j, k in enumerate(tables.ks):
@@ -588,12 +589,38 @@ class Group:
         flat = torch.cat([_held(p, stacked=True).reshape(k_all, -1) for p in params.values()], 1)
         deltas = ((w0.unsqueeze(0) if start is None else w0) - flat).cpu()
         seconds = time.perf_counter() - t_start
+        path, fallback = self._path(fused, layers, fc, whole, one_call)
         out: list[LocalResult | None] = [None] * k_all
         for j, i in enumerate(order):
             steps = len(plans[j][1])
             out[i] = LocalResult(deltas[j].clone(), self.sizes[data[j]], steps,
-                                 float(loss_sum[j]) / max(steps, 1), seconds)
+                                 float(loss_sum[j]) / max(steps, 1), seconds, path, fallback)
         return out  # type: ignore[return-value]
+
+    def _path(self, fused: bool, layers, fc, whole, one_call: bool) -> tuple[str | None, str | None]:
+        """The native parts that trained this call (`LocalResult.path`: "conv" the fused conv layers, "fc" the fully
+        connected layers, "loss" the loss, "step" each whole step in one native call, "round" a round's steps in one
+        native call, "update" the fused FedProx / SCAFFOLD update), and why a part the step by hand could have used
+        did not run (each part runs only where its runtime check finds the torch ops' bits)."""
+        if self.native is None:
+            return None, None
+        parts = ["conv"]
+        if fc is not None:
+            parts.append("fc")
+            if fc.loss_fn is not None:
+                parts.append("loss")
+        if whole is not None:
+            parts.append("round" if one_call else "step")
+        if fused:
+            parts.append("update")
+        fallback = None
+        if self.by_hand and layers is not None and fc is None:
+            fallback = ("the native fully connected layers do not give the torch ops' bits for these shapes on this "
+                        "CPU and BLAS (kernels.fc_layer_exact): torch ops run them")
+        elif fc is not None and fc.loss_fn is None and self.x_all.dtype == torch.float32:
+            fallback = ("the native loss does not give ATen's bits here (kernels.loss_exact: a row of the logits "
+                        f"must fit one {self.native} vector and SLEEF be found): torch ops run it")
+        return "+".join(parts), fallback
 
     def _tables(self, tasks: list[TrainTask], plans: list[tuple[torch.Tensor, torch.Tensor]], data: list[int]
                 ) -> _Tables | None:

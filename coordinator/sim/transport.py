@@ -41,6 +41,8 @@ class SimTransport:
         # FedDD masks and memory (in the run's state store) and the virtual clock
         self.clients = SimClients(model, profile, num_classes, store if feddd else None, len(client_data))
         self.stats: dict[str, float] = {}
+        self.paths: set[str] = set()    # the native parts that trained this round (`LocalResult.path`)
+        self.warned: set[str] = set()   # the fallbacks already logged
         self.batched = None
         self.loop_reason: str | None = None  # why the loop trains although engine="batched"
         if engine == "batched":
@@ -95,6 +97,7 @@ class SimTransport:
         the deltas out (u.delta = None), so the round's deltas are not all held at once. The updates come
         back in task order either way."""
         updates, done = {}, {}
+        self.paths: set[str] = set()
         if self.batched is not None:  # FedDD tasks stay on the loop
             plain = [task for task in tasks if task.dropout_rate is None]
             # slice by slice where the engine can (a lockstep sweep's proxy cannot: one part)
@@ -102,6 +105,7 @@ class SimTransport:
                      if absorb is not None and hasattr(self.batched, "run_iter") else [self.batched.run(w, plain)])
             at = 0
             for part in parts:
+                self._note_paths(part)
                 got = {task.client: ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
                        for task, r in zip(plain[at:at + len(part)], part)}
                 at += len(part)
@@ -125,13 +129,32 @@ class SimTransport:
         self.last_engine = self._round_engine(bool(done), looped)
         return updates, {}
 
+    def _note_paths(self, results: list) -> None:
+        """The native parts that trained `results` (`LocalResult.path`), and each fallback's reason, logged once per
+        run as a warning: the engine's name says what ran, and why a faster part did not."""
+        for r in results:
+            if getattr(r, "path", None):
+                self.paths.add(r.path)
+            reason = getattr(r, "fallback", None)
+            if reason and reason not in self.warned:
+                self.warned.add(reason)
+                log.warning("engine: %s", reason)
+
+    def _batched_name(self) -> str:
+        """The batched engine's name with the native parts that ran this round: "batched+native(avx512:
+        conv+fc+loss+round)"; where slices ran different parts, each set, "|"-separated."""
+        name = self.batched.describe()
+        if not self.paths or not name.endswith(")") or "+native(" not in name:
+            return name
+        return f"{name[:-1]}: {'|'.join(sorted(self.paths))})"
+
     def _round_engine(self, batched: bool, looped: bool) -> str:
         """What trained this round's clients (a round without any: the run's engine)."""
         if batched and looped:   # FedDD tasks beside plain ones
-            return f"{self.batched.describe()} + loop (feddd tasks)"
+            return f"{self._batched_name()} + loop (feddd tasks)"
         if looped and self.batched is not None:
             return "loop (feddd tasks)"
-        return self.describe()
+        return self._batched_name() if batched else self.describe()
 
     def state_dict(self) -> dict:
         """Per-client state the simulated devices keep between rounds (FedDD memory), for checkpoints."""
