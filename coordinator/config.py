@@ -35,6 +35,18 @@ from dataclasses import asdict, dataclass, field
 
 from coordinator.errors import UserError
 from edge_client.configfile import check_value, field_types, fill_sections, read_config_file, show
+from edge_client.registry import Names, PluginError
+
+# The fields that name a plugin, and their registry ("module:attr", edge_client/registry.py): their choices, the
+# --help text and `validate` read the registry, so a built-in, an installed entry point or a module:attr is accepted
+# wherever one of them is.
+REGISTRIES = {
+    "data.dataset": "edge_client.datasets:DATASETS",
+    "data.partition": "edge_client.partition:PARTITIONERS",
+    "model.model": "edge_client.models:MODELS",
+    "availability.kind": "coordinator.availability.models:AVAILABILITY",
+    "strategy.algo": "coordinator.strategies:STRATEGIES",
+}
 
 log = logging.getLogger("dropfl.config")
 
@@ -61,13 +73,14 @@ def opt(default, help: str, choices=None, flag: str | None = None, *, minimum=No
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("fmnist", "dataset", ["fmnist", "mnist", "cifar10"])
+    dataset: str = opt("fmnist", "dataset (a plugin: module:attr or an entry point of dropfl.datasets)",
+                       Names(REGISTRIES["data.dataset"]))
     data_dir: str | None = opt(None, "directory with the dataset files (required for cifar10)")
     partition: str = opt("shards", "non-IID partitioner (shards-distinct: shards, no two of one class per client; "
                                    "fdms-clustered-80-20: fdms-clustered, each client trains on 80%% of its samples "
-                                   "as the FL-FDMS code)",
-                         ["iid", "shards", "shards-distinct", "fdms-clustered", "fdms-clustered-80-20",
-                          "fdms-general", "one-label", "dirichlet"])
+                                   "as the FL-FDMS code; a plugin: module:attr or an entry point of "
+                                   "dropfl.partitioners)",
+                         Names(REGISTRIES["data.partition"]))
     clients: int = opt(30, "number of clients N", minimum=1)
     shards_per_client: int = opt(2, "shards per client (partition=shards, shards-distinct)", minimum=1)
     dirichlet_alpha: float = opt(0.5, "concentration α (partition=dirichlet)", gt=0)
@@ -75,8 +88,8 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    model: str = opt("mimic-cnn", "model architecture",
-                     ["mimic-cnn", "fdms-cnn", "cifar-lenet", "vgg11", "mlp", "logreg"])
+    model: str = opt("mimic-cnn", "model architecture (a plugin: module:attr or an entry point of dropfl.models)",
+                     Names(REGISTRIES["model.model"]))
     dropout: float | None = opt(None, "dropout probability for models with dropout layers "
                                       "(default: the reference code's 0.5)", minimum=0, lt=1)
 
@@ -127,10 +140,8 @@ class TrainConfig:
 
 @dataclass
 class AvailabilityConfig:
-    kind: str = opt("always", "availability model",
-                    ["always", "bounded", "static", "timevarying", "diurnal", "cluster-dropout", "replay",
-                     "device-trace"],
-                    flag="--availability")
+    kind: str = opt("always", "availability model (a plugin: module:attr or an entry point of dropfl.availability)",
+                    Names(REGISTRIES["availability.kind"]), flag="--availability")
     tau_max: int = opt(20, "bounded: maximum period τmax (τ_i drawn from 0..τmax)", minimum=0)
     tau_dist: str = opt("uniform", "bounded: τ_i distribution (paper: uniform; code: halfnormal)",
                         ["uniform", "halfnormal"])
@@ -163,7 +174,8 @@ class AvailabilityConfig:
 
 @dataclass
 class StrategyConfig:
-    algo: str = opt("fedavg", "aggregation strategy")
+    algo: str = opt("fedavg", "aggregation strategy (a plugin: module:attr or an entry point of dropfl.strategies)",
+                    Names(REGISTRIES["strategy.algo"]))
     weighting: str = opt("uniform", "fedavg: client weights", ["uniform", "samples"])
     fedavg_k: int | None = opt(None, "fedavg, fedprox: select K clients uniformly at random among the available "
                                      "ones (FedLaAvg's baselines: K = βN; default: every available client, as "
@@ -263,8 +275,9 @@ def flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, algos: list[str]) -> None:
-    """One option per config field; defaults are None so that a config file can fill them."""
+def add_arguments(parser: argparse.ArgumentParser, algos: list[str] | None = None) -> None:
+    """One option per config field; defaults are None so that a config file can fill them. The names of a plugin
+    field (`REGISTRIES`; `algos` too, kept for callers) come from its registry."""
     parser.add_argument("--config", help="TOML or JSON config file (sections: " + ", ".join(SECTIONS) + ")")
     for section, factory in SECTIONS.items():
         group = parser.add_argument_group(section)
@@ -278,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser, algos: list[str]) -> None:
             else:
                 kw["type"] = _parse_type(f.type)
                 kw["metavar"] = f.name.upper()
-            choices = algos if f.name == "algo" else f.metadata.get("choices")
+            choices = f.metadata.get("choices")
             if choices:
                 kw["help"] += f"; one of: {', '.join(map(str, choices))}"
             group.add_argument(flag(f), **kw)
@@ -375,6 +388,20 @@ def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
     return cfg
 
 
+def check_plugin(key: str, name: str, where: str = "") -> None:
+    """That the plugin field `key` (`REGISTRIES`) names one its registry resolves (a built-in, an installed entry
+    point, a module:attr that imports and is of the right kind): else UserError, one line saying what to fix."""
+    registry = Names(REGISTRIES[key]).registry
+    try:
+        registry.entry(name)
+    except PluginError as e:
+        at = f" {where}" if where else ""
+        if ":" not in name and name not in registry.names():
+            raise UserError(f"{key} must be one of: {', '.join(registry.names())} (got {show(name)}{at}), or a "
+                            f"plugin as module:attr (`dropfl plugins` lists the installed ones)") from None
+        raise UserError(f"{key} {show(name)}{at}: {e.reason}") from None
+
+
 def cuda_needs_batched(engine: str) -> str:
     """The error of --sim-device cuda with an engine that trains on the CPU (`validate`; `dropfl reproduce` checks
     it before any run starts)."""
@@ -382,10 +409,11 @@ def cuda_needs_batched(engine: str) -> str:
             f"--engine batched, or --sim-device auto or cpu")
 
 
-def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = None) -> None:
-    """Every field against its type, range and choices (`check_value`), then the rules that join fields;
-    models and datasets check the rest when built. `sources`: "section.field" → "in FILE" / "from --flag",
-    where each value came from, for the messages."""
+def validate(cfg: SimConfig, algos: list[str] | None = None, sources: dict[str, str] | None = None) -> None:
+    """Every field against its type, range and choices (`check_value`), each plugin name against its registry
+    (`check_plugin`: this imports a module:attr plugin), then the rules that join fields; models and datasets
+    check the rest when built. `sources`: "section.field" → "in FILE" / "from --flag", where each value came
+    from, for the messages. `algos`: unused, the strategy names come from their registry (kept for callers)."""
     sources = sources or {}
     for section in SECTIONS:
         obj = getattr(cfg, section)
@@ -393,7 +421,9 @@ def validate(cfg: SimConfig, algos: list[str], sources: dict[str, str] | None = 
         for f in dataclasses.fields(obj):
             key = f"{section}.{f.name}"
             v = check_value(key, getattr(obj, f.name), hints.get(f.name), f.metadata, sources.get(key, ""),
-                            UserError, choices=algos if key == "strategy.algo" else None)
+                            UserError)
+            if key in REGISTRIES:
+                check_plugin(key, v, sources.get(key, ""))
             setattr(obj, f.name, v)
     c, t, r = cfg.data, cfg.train, cfg.run
 

@@ -34,6 +34,7 @@ from coordinator.strategies import STRATEGIES, Strategy
 from edge_client import datasets, federation, logs, partition
 from edge_client.federation import DataBinding
 from edge_client.models import build_model, get_flat, set_flat
+from edge_client.registry import PluginError, blame
 from edge_client.trainer import evaluate
 
 log = logging.getLogger("dropfl.run")
@@ -102,29 +103,35 @@ class Run:
 
 
 def build_availability(cfg: SimConfig):
-    a, n, seed = cfg.availability, cfg.data.clients, cfg.run.seed
-    common = {"first_round_all": a.first_round_all, "min_active": a.min_active}
-    if a.kind == "replay":
-        replay = Replay(a.trace, n, selection=replay_selection(cfg))
-        if cfg.run.rounds > replay.rounds:
-            raise UserError(f"--rounds {cfg.run.rounds}: the trace {a.trace} covers only {replay.rounds} rounds")
-        return replay
-    if a.kind == "device-trace":
-        return DeviceTraceAvailability(a.device_trace, n, a.round_seconds, a.start_seconds, a.min_battery,
-                                       a.require_charging, a.min_uplink, a.max_temp)
-    if a.kind == "always":
-        return av.AlwaysOn(n, seed, **common)
-    if a.kind == "bounded":
-        return av.Bounded(n, seed, tau_max=a.tau_max, tau_dist=a.tau_dist, **common)
-    if a.kind == "static":
-        return av.Static(n, seed, p=a.p, levels=a.p_levels, **common)
-    if a.kind == "timevarying":
-        return av.TimeVarying(n, seed, fraction=a.fraction, **common)
-    if a.kind == "diurnal":
-        return av.Diurnal(n, seed, half_period=a.half_period, groups_d=a.diurnal_d, **common)
-    if a.kind == "cluster-dropout":
-        return av.ClusterDropout(n, seed, alpha=a.alpha, **common)
-    raise UserError(f"--availability: unknown model {a.kind!r}")
+    """The run's availability source, from the --availability registry (coordinator/availability/models.py)."""
+    try:
+        entry = av.AVAILABILITY.entry(cfg.availability.kind)
+    except PluginError as e:
+        raise UserError(f"--availability: {e}") from None
+    with blame(entry, UserError, (UserError,)):
+        source = av.build(entry.obj, cfg)
+    if not callable(getattr(source, "round", None)):
+        raise UserError(f"--availability {cfg.availability.kind}: it built a {type(source).__name__}, which has no "
+                        f"round(t) -> RoundAvailability method")
+    return source
+
+
+@av.AVAILABILITY.register("replay")
+def replay_availability(cfg: SimConfig) -> Replay:
+    """--availability replay: a recorded participation log (--trace)."""
+    a = cfg.availability
+    replay = Replay(a.trace, cfg.data.clients, selection=replay_selection(cfg))
+    if cfg.run.rounds > replay.rounds:
+        raise UserError(f"--rounds {cfg.run.rounds}: the trace {a.trace} covers only {replay.rounds} rounds")
+    return replay
+
+
+@av.AVAILABILITY.register("device-trace")
+def device_trace_availability(cfg: SimConfig) -> DeviceTraceAvailability:
+    """--availability device-trace: device time series on a virtual clock (--device-trace)."""
+    a = cfg.availability
+    return DeviceTraceAvailability(a.device_trace, cfg.data.clients, a.round_seconds, a.start_seconds, a.min_battery,
+                                   a.require_charging, a.min_uplink, a.max_temp)
 
 
 # --participation-format auto: the columnar log above this many clients (participation.csv has a row per
@@ -159,10 +166,13 @@ def replay_selection(cfg: SimConfig) -> str:
 
 def build_strategy(cfg: SimConfig) -> Strategy:
     s = cfg.strategy
-    cls = STRATEGIES.get(s.algo)
-    if cls is None:
-        raise UserError(f"--algo: unknown algorithm {s.algo!r} (choose from {', '.join(STRATEGIES)})")
-    strategy = cls.from_config(s) if hasattr(cls, "from_config") else cls(weighting=s.weighting)
+    try:
+        entry = STRATEGIES.entry(s.algo)
+    except PluginError as e:
+        raise UserError(f"--algo: {e}") from None
+    cls = entry.obj
+    with blame(entry, UserError, (UserError,)):
+        strategy = cls.from_config(s) if hasattr(cls, "from_config") else cls(weighting=s.weighting)
     if hasattr(strategy, "bind_lr_schedule"):  # applies the round's lr on the server (FedLaAvg lr-normalised)
         strategy.bind_lr_schedule(loop_config(cfg).lr_at)
     return strategy
@@ -285,8 +295,8 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
     try:
         model = build_model(cfg.model.model, shape, ds.num_classes, cfg.run.seed, cfg.model.dropout)
         eval_model = build_model(cfg.model.model, shape, ds.num_classes, cfg.run.seed, cfg.model.dropout)
-    except ValueError as e:
-        raise UserError(f"--model {cfg.model.model}: {e}") from None
+    except ValueError as e:   # build_model's messages start with --model
+        raise UserError(str(e) if str(e).startswith("--model") else f"--model {cfg.model.model}: {e}") from e
     checkpoint = check_resume(cfg, path, model) if resume else None
     store = auto_kind(cfg.run.state_store, cfg.data.clients, sum(p.numel() for p in model.parameters()))
     strategy.store = StateStore(store, path)  # nothing is written before the round loop creates the tables

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_client.registry import Entry, PluginError, Registry, blame
+
 
 class DatasetError(Exception):
     """A dataset is missing or malformed; the message says how to fix it in one line."""
@@ -214,13 +216,34 @@ def load_cifar10(data_dir: str | None, expected: dict[str, int] | None = None) -
     return Dataset("cifar10", out["train"], out["test"])
 
 
-DATASETS = {"fmnist": load_fmnist, "mnist": load_mnist, "cifar10": load_cifar10}
+def _is_loader(obj) -> str | None:
+    return None if callable(obj) else "a callable (data_dir) -> edge_client.datasets.Dataset"
+
+
+# The datasets by --dataset name (edge_client/registry.py): a loader called as load(data_dir) (--data-dir, or None)
+# that returns a `Dataset`; a plugin (entry point group dropfl.datasets, or module:attr) is the same.
+DATASETS = Registry("dataset", "dropfl.datasets", check=_is_loader)
+DATASETS.register("fmnist", load_fmnist)
+DATASETS.register("mnist", load_mnist)
+DATASETS.register("cifar10", load_cifar10)
+
+
+def entry(name: str) -> Entry:
+    """The registry entry of `name`: DatasetError (one line) if the name does not resolve."""
+    try:
+        return DATASETS.entry(name)
+    except PluginError as e:
+        raise DatasetError(f"--dataset: {e}") from None
 
 
 def load(name: str, data_dir: str | None = None) -> Dataset:
-    if name not in DATASETS:
-        raise DatasetError(f"--dataset: unknown dataset {name!r} (choose from {', '.join(DATASETS)})")
-    return DATASETS[name](data_dir)
+    e = entry(name)
+    with blame(e, DatasetError, (DatasetError,)):
+        ds = e.obj(data_dir)
+    if not isinstance(ds, Dataset):
+        raise DatasetError(f"--dataset {name}: its loader returned {type(ds).__name__}, not an "
+                           f"edge_client.datasets.Dataset (train and test Splits of float images and int64 labels)")
+    return ds
 
 
 # The IDX datasets, for the agent's row reads: (directories, the error's fix) for a data_dir.
@@ -271,8 +294,7 @@ class Labels:
 
 def load_labels(name: str, data_dir: str | None = None) -> Labels:
     """The labels of both splits, checked as the full load checks them, without reading any image."""
-    if name not in DATASETS:
-        raise DatasetError(f"--dataset: unknown dataset {name!r} (choose from {', '.join(DATASETS)})")
+    entry(name)
     if name not in IDX_DATASETS:
         ds = load(name, data_dir)
         return Labels(name, data_dir, ds.train.y.numpy(), ds.test.y.numpy(), ds.num_classes, full=ds)

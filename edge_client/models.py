@@ -7,8 +7,12 @@ training is a pure function of (weights, data, seed) and the batched engine can 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+from edge_client.registry import PluginError, Registry, blame
 
 
 class SeededDropout(nn.Module):
@@ -129,30 +133,69 @@ class LogReg(nn.Module):
         return self.fc(x.flatten(1))
 
 
-MODELS = ("mimic-cnn", "fdms-cnn", "cifar-lenet", "vgg11", "mlp", "logreg")
+def _is_model_builder(obj) -> str | None:
+    return None if callable(obj) else "a callable (input_shape, num_classes[, dropout=]) -> torch.nn.Module"
+
+
+# The models by --model name (edge_client/registry.py). Each entry is a builder called as
+# build(input_shape, num_classes), plus dropout= where --dropout is given, under torch.manual_seed(seed); a plugin
+# (entry point group dropfl.models, or module:attr) is the same. Its facts, declared here with the model:
+#   cpu_first          the batched engine's forward runs fused CPU kernels, so --sim-device auto trains it on the
+#                      CPU (coordinator/sim/batched.py auto_device; tests/test_engine_device.py checks the forwards)
+#   batch_independent  a client's result does not depend on the other clients in its batched computation (on the
+#                      CPU paths; the LeNets with their native kernels), so lockstep sweeps may merge runs
+#                      (coordinator/sim/lockstep.py; the engine checks the run's own model: batched.batch_independent)
+MODELS = Registry("model", "dropfl.models", check=_is_model_builder,
+                  meta={"cpu_first": False, "batch_independent": False})
+
+
+@MODELS.register("mimic-cnn", cpu_first=True, batch_independent=True)
+def mimic_cnn(input_shape, num_classes=10, dropout=None):   # no dropout layers: --dropout does not apply
+    c, h, _ = input_shape
+    return MimicCNN(c, num_classes, h)
+
+
+@MODELS.register("fdms-cnn", cpu_first=True)
+def fdms_cnn(input_shape, num_classes=10, **kw):
+    return FdmsMnistCNN(input_shape[0], num_classes, **kw)
+
+
+@MODELS.register("cifar-lenet", cpu_first=True, batch_independent=True)
+def cifar_lenet(input_shape, num_classes=10, dropout=None):
+    c, h, _ = input_shape
+    return CifarLeNet(c, num_classes, h)
+
+
+@MODELS.register("vgg11")
+def vgg11(input_shape, num_classes=10, **kw):
+    return VGG11(input_shape[0], num_classes, **kw)
+
+
+@MODELS.register("mlp", batch_independent=True)
+def mlp(input_shape, num_classes=10, dropout=None):
+    return MLP(math.prod(input_shape), num_classes)
+
+
+@MODELS.register("logreg", batch_independent=True)
+def logreg(input_shape, num_classes=10, dropout=None):
+    return LogReg(math.prod(input_shape), num_classes)
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int = 10, seed: int = 0,
                 dropout: float | None = None) -> nn.Module:
-    """Build a model for inputs of shape (C, H, W), initialised from `seed`."""
-    c, h, w = input_shape
+    """Build the model `name` (a registered name, an entry point of dropfl.models, or module:attr) for inputs
+    of shape (C, H, W), initialised from `seed`. ValueError (one line) if the name does not resolve."""
+    try:
+        entry = MODELS.entry(name)
+    except PluginError as e:
+        raise ValueError(f"--model: {e}") from None
     torch.manual_seed(seed)
     kw = {} if dropout is None else {"dropout": dropout}
-    if name == "mimic-cnn":
-        m = MimicCNN(c, num_classes, h)
-    elif name == "cifar-lenet":
-        m = CifarLeNet(c, num_classes, h)
-    elif name == "fdms-cnn":
-        m = FdmsMnistCNN(c, num_classes, **kw)
-    elif name == "vgg11":
-        m = VGG11(c, num_classes, **kw)
-    elif name == "mlp":
-        m = MLP(c * h * w, num_classes)
-    elif name == "logreg":
-        m = LogReg(c * h * w, num_classes)
-    else:
-        raise ValueError(f"--model: unknown model {name!r} (choose from {', '.join(MODELS)})")
-    return m
+    with blame(entry, ValueError):
+        model = entry.obj(tuple(input_shape), num_classes, **kw)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {name}: its builder returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def num_params(model: nn.Module) -> int:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_client.registry import PluginError, Registry, blame
+
 
 class PartitionError(ValueError):
     pass
@@ -185,14 +187,26 @@ def fdms_clustered_80_20(labels: np.ndarray, n_clients: int, seed: int) -> list[
     return fdms_clustered(labels, n_clients, seed, train_fraction=0.8)
 
 
-PARTITIONERS = {"iid": iid, "shards": shards, "shards-distinct": shards_distinct, "fdms-clustered": fdms_clustered,
-                "fdms-clustered-80-20": fdms_clustered_80_20, "fdms-general": fdms_general, "one-label": one_label,
-                "dirichlet": dirichlet}
+def _is_partitioner(obj) -> str | None:
+    return None if callable(obj) else "a callable (labels, n_clients, seed, **options) -> list of index arrays"
+
+
+# The partitioners by --partition name (edge_client/registry.py): called as f(labels, n_clients, seed, **options),
+# returning each client's sample indices (options: edge_client/federation.py partition_kwargs, none for a plugin);
+# a plugin (entry point group dropfl.partitioners, or module:attr) is the same.
+PARTITIONERS = Registry("partitioner", "dropfl.partitioners", check=_is_partitioner)
+for _name, _f in {"iid": iid, "shards": shards, "shards-distinct": shards_distinct, "fdms-clustered": fdms_clustered,
+                  "fdms-clustered-80-20": fdms_clustered_80_20, "fdms-general": fdms_general, "one-label": one_label,
+                  "dirichlet": dirichlet}.items():
+    PARTITIONERS.register(_name, _f)
 
 
 def partition(name: str, labels: np.ndarray, n_clients: int, seed: int, **kw) -> list[np.ndarray]:
-    if name not in PARTITIONERS:
-        raise PartitionError(f"--partition: unknown partitioner {name!r} (choose from {', '.join(PARTITIONERS)})")
+    try:
+        entry = PARTITIONERS.entry(name)
+    except PluginError as e:
+        raise PartitionError(f"--partition: {e}") from None
     if n_clients < 1:
         raise PartitionError(f"--clients must be >= 1 (got {n_clients})")
-    return PARTITIONERS[name](np.asarray(labels), n_clients, seed, **kw)
+    with blame(entry, PartitionError, (PartitionError,)):
+        return entry.obj(np.asarray(labels), n_clients, seed, **kw)

@@ -14,6 +14,7 @@ from fractions import Fraction
 import numpy as np
 
 from coordinator.errors import UserError
+from edge_client.registry import Registry
 
 REASONS = ("model_draw", "battery", "charging", "offline", "slow_link", "deadline", "declined",
            "rejected", "not_selected", "trace", "thermal")
@@ -231,4 +232,56 @@ def _n_compositions(total: int, parts: int, size: int) -> int:
     return out
 
 
-MODELS = {cls.name: cls for cls in (AlwaysOn, Bounded, Static, TimeVarying, Diurnal, ClusterDropout)}
+def _is_availability(obj) -> str | None:
+    return None if callable(obj) else ("an Availability subclass, or a callable (SimConfig) -> an availability "
+                                       "source (with round(t) -> RoundAvailability)")
+
+
+# The availability models by --availability name (edge_client/registry.py). An entry is an `Availability` subclass,
+# built as cls(clients, seed, first_round_all=, min_active=), or a callable taking the run's SimConfig and returning
+# anything with `round(t) -> RoundAvailability`; a plugin (entry point group dropfl.availability, or module:attr) is
+# the same (`build`). `replay` and `device-trace` register in coordinator/runsetup.py.
+AVAILABILITY = Registry("availability model", "dropfl.availability", check=_is_availability,
+                        builtins=("coordinator.runsetup",))
+
+
+def _common(cfg) -> dict:
+    return {"first_round_all": cfg.availability.first_round_all, "min_active": cfg.availability.min_active}
+
+
+def build(obj, cfg):
+    """The availability source of the registry entry `obj` for the run `cfg` (a SimConfig)."""
+    if isinstance(obj, type) and issubclass(obj, Availability):
+        return obj(cfg.data.clients, cfg.run.seed, **_common(cfg))
+    return obj(cfg)
+
+
+AVAILABILITY.register("always", AlwaysOn)
+
+
+@AVAILABILITY.register("bounded")
+def bounded(cfg):
+    a = cfg.availability
+    return Bounded(cfg.data.clients, cfg.run.seed, tau_max=a.tau_max, tau_dist=a.tau_dist, **_common(cfg))
+
+
+@AVAILABILITY.register("static")
+def static(cfg):
+    a = cfg.availability
+    return Static(cfg.data.clients, cfg.run.seed, p=a.p, levels=a.p_levels, **_common(cfg))
+
+
+@AVAILABILITY.register("timevarying")
+def timevarying(cfg):
+    return TimeVarying(cfg.data.clients, cfg.run.seed, fraction=cfg.availability.fraction, **_common(cfg))
+
+
+@AVAILABILITY.register("diurnal")
+def diurnal(cfg):
+    a = cfg.availability
+    return Diurnal(cfg.data.clients, cfg.run.seed, half_period=a.half_period, groups_d=a.diurnal_d, **_common(cfg))
+
+
+@AVAILABILITY.register("cluster-dropout")
+def cluster_dropout(cfg):
+    return ClusterDropout(cfg.data.clients, cfg.run.seed, alpha=cfg.availability.alpha, **_common(cfg))
