@@ -15,7 +15,7 @@ import torch
 from coordinator.cli import main
 from coordinator.config import SimConfig
 from coordinator.sim import batched
-from coordinator.sim.batched import CPU_FIRST, BatchedEngine, auto_device, engine_device
+from coordinator.sim.batched import BatchedEngine, auto_device, engine_device
 from coordinator.sim.lockstep import why_not
 from edge_client.models import MODELS, build_model
 
@@ -32,17 +32,35 @@ def gpu(monkeypatch, present: bool) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: present)
 
 
-def test_the_cpu_first_names_are_the_models_with_fused_cpu_kernels():
-    """auto decides by --model name where no model is built yet (the lockstep planner) and by the model itself in
-    the engine: both must name the same models."""
-    assert set(CPU_FIRST) == {n for n in MODELS if batched.batched_forward(model(n)) in (batched._lenet, batched._fdms)}
+def cpu_first() -> set[str]:
+    """The models registered cpu_first (edge_client/models.py: the one place the fact is declared)."""
+    return {n for n in MODELS.registered() if MODELS.meta(n, "cpu_first")}
+
+
+def test_the_cpu_first_models_are_the_models_with_fused_cpu_kernels():
+    """auto decides by --model name where no model is built yet (the lockstep planner, from the registry's
+    cpu_first) and by the model itself in the engine: both must name the same models."""
+    assert cpu_first() == {"mimic-cnn", "cifar-lenet", "fdms-cnn"}
+    assert cpu_first() == {n for n in MODELS.registered()
+                           if batched.batched_forward(model(n)) in (batched._lenet, batched._fdms)}
+
+
+def test_the_batch_independent_models_are_those_the_engine_finds_independent():
+    """The lockstep planner decides by the registry's batch_independent before any model is built; the engine
+    decides from the model (`batched.batch_independent`, the LeNets with their native kernels): the same models."""
+    declared = {n for n in MODELS.registered() if MODELS.meta(n, "batch_independent")}
+    assert declared == {"mimic-cnn", "cifar-lenet", "mlp", "logreg"}
+    if batched.kernels.available():
+        native = batched.kernels.chosen()
+        assert declared == {n for n in MODELS.registered()
+                            if batched.batch_independent(model(n), native, torch.float32, torch.device("cpu"))}
 
 
 @pytest.mark.parametrize("present", [True, False])
 def test_auto_is_the_cpu_for_lenets_and_a_gpu_for_the_rest_where_there_is_one(monkeypatch, present):
     gpu(monkeypatch, present)
     for name in MODELS:
-        want = "cpu" if name in CPU_FIRST or not present else "cuda"
+        want = "cpu" if name in cpu_first() or not present else "cuda"
         assert engine_device("auto", model(name)).type == want, name
         assert engine_device(None, model(name)).type == want, name
         assert auto_device(name) == want, name

@@ -44,7 +44,7 @@ from torch import nn
 from coordinator.sim import kernels
 from coordinator.sim.kernels import conv2_pool_relu, conv_pool_relu
 from edge_client.determinism import cuda_deterministic, is_cuda
-from edge_client.models import VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
+from edge_client.models import MODELS, VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
 
 
@@ -340,15 +340,12 @@ def kernel_variant(native: bool | str, model: nn.Module, x_all: torch.Tensor, de
     return variant if kernels.available(variant) else None   # "off": never available (kernels.error says why)
 
 
-# The --model names whose batched forward runs the fused CPU kernels (`_lenet`, `_fdms`): what --sim-device auto
-# trains on the CPU (tests/test_engine_device.py checks these names against the models' forwards).
-CPU_FIRST = ("mimic-cnn", "cifar-lenet", "fdms-cnn")
-
-
 def auto_device(model_name: str) -> str:
-    """--sim-device auto, by --model name: "cpu" for the LeNets (`CPU_FIRST`), else "cuda" where
-    `torch.cuda.is_available()`, else "cpu". `engine_device` decides the same from the model itself."""
-    return "cuda" if model_name not in CPU_FIRST and torch.cuda.is_available() else "cpu"
+    """--sim-device auto, by --model name: "cpu" for the models registered `cpu_first` (the LeNets, whose batched
+    forward runs the fused CPU kernels: edge_client/models.py; tests/test_engine_device.py checks the fact against
+    the forwards), else "cuda" where `torch.cuda.is_available()`, else "cpu". `engine_device` decides the same from
+    the model itself."""
+    return "cuda" if not MODELS.meta(model_name, "cpu_first") and torch.cuda.is_available() else "cpu"
 
 
 def engine_device(requested: str | None, model: nn.Module) -> torch.device:

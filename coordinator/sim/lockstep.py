@@ -59,11 +59,8 @@ from coordinator.sim.batched import BatchedEngine, Group, auto_device, batch_ind
 from coordinator.sim.kernels import fused_update
 from coordinator.strategies import STRATEGIES
 from edge_client import logs
+from edge_client.models import MODELS
 from edge_client.trainer import LocalResult, TrainTask
-
-# models whose batched path is independent of the batch's other clients (LeNets: with the native kernels,
-# which `_merges` checks on the run's own model and data)
-BATCH_INDEPENDENT = ("mimic-cnn", "cifar-lenet", "mlp", "logreg")
 
 
 def why_not(cfg) -> str | None:
@@ -75,7 +72,9 @@ def why_not(cfg) -> str | None:
     cls = STRATEGIES.get(cfg.strategy.algo)
     if cls is None or getattr(cls, "sets_dropout_rate", False):
         return f"--algo {cfg.strategy.algo} (its tasks train on the reference loop)"
-    if cfg.model.model not in BATCH_INDEPENDENT:
+    # a fact declared with the model (edge_client/models.py); the LeNets' holds with their native kernels, which
+    # `_merges` checks on the run's own model and data
+    if not MODELS.meta(cfg.model.model, "batch_independent"):
         return (f"--model {cfg.model.model}: its torch grouped convolutions round differently with the number "
                 "of clients in a batch, so merged runs would not be exact")
     if getattr(cfg.run, "track", None):
