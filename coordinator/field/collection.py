@@ -80,6 +80,9 @@ class RoundState:
     started: float
     digest: str | None = None  # the round's global model (wire.model_digest): updates must echo it
     progress: dict[int, UploadProgress] = field(default_factory=dict)  # uploads of this round, by client
+    # chunks of an earlier round's update that arrived while this round was open, by client: what an agent sent
+    # of a stale upload before it saw this round's task or model (at most its upload window; edge_client/agent/link.py)
+    stale_chunks: dict[int, int] = field(default_factory=dict)
     updates: dict[int, wire.Message] = field(default_factory=dict)
     received_at: dict[int, float] = field(default_factory=dict)
     stats: dict[int, dict] = field(default_factory=dict)
@@ -223,6 +226,9 @@ class Collection:
     def _note_progress(self, r: RoundState, c: int, body_bytes: int, now: float, done: bool) -> None:
         """Count a chunk of client c's update of this round (`reasm.last`: the chunk's header)."""
         h = self.reasm.last
+        if h is not None and h.run == self.cfg.run_id and h.round < r.t:
+            r.stale_chunks[c] = r.stale_chunks.get(c, 0) + 1
+            return
         if h is None or c not in r.tasks or h.run != self.cfg.run_id or h.round != r.t or \
                 field_checks.stale_model(h.meta, r.digest):
             return

@@ -275,7 +275,9 @@ class MqttTransport:
                "duplicates": r.duplicates, "rejected": r.rejected, "rejects": dict(r.rejects),
                "late_total": self.hub.late, "clients": clients,
                # every upload of the round as far as it got (chunks, tensor bytes, seconds first→latest chunk)
-               "uploads": {str(c): p.row() for c, p in sorted(r.progress.items())}}
+               "uploads": {str(c): p.row() for c, p in sorted(r.progress.items())},
+               # chunks of earlier rounds' uploads that came in during this round (a stale upload's tail)
+               "stale_chunks": {str(c): n for c, n in sorted(r.stale_chunks.items())}}
         with self.hub.cond:
             row["rejects_total"] = dict(self.hub.rejects)
             self.hub.write_log(row)

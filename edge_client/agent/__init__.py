@@ -112,6 +112,12 @@ class Agent(Link, Heartbeat, Work):
         self.cache: tuple[str, int, str, list[bytes], RoundRecord] | None = None
         self.rates = {"uplink_Bps": None, "downlink_Bps": None, "train_samples_per_s": None}
         self.rounds_trained = 0
+        # the coordinator's latest task or model (run, round), noted by paho's thread (link.py `_note_round`): a
+        # training or upload of another round is stale; `_wake` wakes an upload's waits when it changes
+        self._newest: tuple[str, int] | None = None
+        self._wake = threading.Event()
+        self.uploads_abandoned = 0   # stale uploads stopped (link.py)
+        self.tasks_skipped = 0       # stale tasks not trained (work.py)
         self.telemetry = Telemetry(cfg.telemetry, cfg.battery)  # sensors, the round's record (telemetry.py)
         self._open_trace(Path(cfg.agent.out or f"agents/{self.id}"))
         self.mqtt = self._make_client()
@@ -127,6 +133,7 @@ class Agent(Link, Heartbeat, Work):
     def stop(self) -> None:
         self.stopping.set()
         self._beat_now.set()
+        self._wake.set()
         self.inbox.put(None)
 
     def run(self) -> None:

@@ -83,6 +83,9 @@ class AgentSection:
     uplink_limit_Bps: float = _f(0.0, minimum=0)     # emulate a slow uplink: pace the update's chunks (0: off)
     exit_when_done: bool = True            # exit when the coordinator announces the run finished
     chunk_bytes: int = _f(256 * 1024, minimum=1)
+    # an update's chunks while the uplink rate is not measured yet (the first upload): small, so heartbeats pass
+    # between them on a slow link; later uploads size chunks from the measured rate (work.py _upload_limits)
+    first_chunk_bytes: int = _f(8 * 1024, minimum=1)
     max_tensor_bytes: int = _f(256 * 1024 ** 2, minimum=1)
     publish_timeout_s: float = _f(60.0, gt=0)
     eval_every: int = _f(1, minimum=0)     # evaluate the global model every k-th round (0: never); see work.py

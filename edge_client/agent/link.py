@@ -11,12 +11,21 @@ pass between them; paced to uplink_limit_Bps; waits for the broker's PUBACKs, th
 time and rate, and the round's telemetry, on update/stats). Arrival times handed to the inbox are this
 host's `time.monotonic()`.
 
+**A stale upload stops at once.** The network thread notes the round of every task or global model the
+coordinator sends (`_note_round`, from the frame's header, before the main thread sees it). The coordinator
+sends round t+1's task and model only after round t has closed, so an upload (or a training) of round t is
+stale the moment a frame of another round arrives: `_upload` checks before every chunk and while it waits
+for a PUBACK, stops publishing, sends no stats, and logs `round t: upload abandoned after k of n chunks`
+(`uploads_abandoned` counts them). At most the `upload_window` chunks already in flight still reach the
+broker.
+
 Uses the Agent's cfg, id, client_idx, base, binding, brokers, y, inbox, connected, stopping, rates, _beat_now,
-mqtt, battery, now.
+mqtt, battery, now, _newest, _wake, uploads_abandoned.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 from paho.mqtt import client as mqtt
@@ -25,6 +34,8 @@ from edge_client import wire
 from edge_client.agent.config import TOPIC_ROOT, AgentError, log, who
 from edge_client.monitor import device_facts
 from edge_client.telemetry import RoundRecord
+
+ACK_SLICE_S = 0.05  # a PUBACK wait wakes this often to see whether a newer round made the upload stale
 
 
 class Link:
@@ -80,9 +91,37 @@ class Link:
         log.warning(f"could not connect to {failed}; trying {url}", extra=who(self.id))
 
     def _on_message(self, client, userdata, msg) -> None:
+        self._note_round(msg.topic, msg.payload)
         if msg.topic == f"{TOPIC_ROOT}/coordinator/status" and not msg.retain and self._announce_requested(msg.payload):
             self._announce(client, reply=True)  # here, not in the inbox: the main thread may be training
         self.inbox.put((msg.topic, msg.payload, bool(msg.retain), time.monotonic()))  # arrival, this host's clock
+
+    def _note_round(self, topic: str, payload: bytes) -> None:
+        """Network thread: remember the (run, round) of the latest task or global model from the coordinator,
+        read from the frame's header (docs/protocol.md: "DFL1", u32 header length, JSON header) without
+        decoding its body, and wake an upload waiting for a PUBACK. Invalid frames are left to `_handle`."""
+        if topic != f"{self.base}/control" and not topic.startswith(f"{TOPIC_ROOT}/model/"):
+            return
+        if len(payload) < 8 or payload[:4] != wire.MAGIC:
+            return
+        n = int.from_bytes(payload[4:8], "big")
+        if n > self.limits.max_header_bytes:
+            return
+        try:
+            h = json.loads(payload[8:8 + n])
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return
+        if isinstance(h, dict) and h.get("kind") in ("task", "model", "onnx") and isinstance(h.get("run"), str) \
+                and isinstance(h.get("round"), int) and (h["run"], h["round"]) != self._newest:
+            self._newest = (h["run"], h["round"])
+            self._wake.set()
+
+    def superseded(self, run: str, rnd: int) -> tuple[str, int] | None:
+        """The (run, round) that made round `rnd` of `run` stale, or None: the coordinator's latest task or model
+        is of another round (it sends round t+1's only once round t has closed; a resumed coordinator's earlier
+        round, too, means that this round is over)."""
+        newest = self._newest
+        return newest if newest is not None and newest != (run, rnd) else None
 
     @staticmethod
     def _announce_requested(payload: bytes) -> bool:
@@ -99,20 +138,30 @@ class Link:
         for f in frames:
             self.mqtt.publish(f"{self.base}/{sub}", f, qos=qos)
 
-    def _acked(self, info, rnd: int) -> bool:
-        """Wait for one chunk's PUBACK (publish_timeout_s at most); raises RuntimeError/ValueError if lost."""
-        info.wait_for_publish(timeout=self.cfg.agent.publish_timeout_s)
-        if not info.is_published():
-            log.warning(f"round {rnd}: upload not acknowledged within {self.cfg.agent.publish_timeout_s} s",
-                        extra=who(self.id))
-            return False
-        return True
+    def _await_ack(self, info, run: str, rnd: int) -> None:
+        """Wait for one chunk's PUBACK (publish_timeout_s at most), in slices of ACK_SLICE_S so that a newer
+        round's task or model (`superseded`) or a stop ends the wait at once; raises `UploadStopped`."""
+        end = time.monotonic() + self.cfg.agent.publish_timeout_s
+        while not info.is_published():
+            self._check_upload(run, rnd)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise UploadStopped(f"not acknowledged within {self.cfg.agent.publish_timeout_s} s")
+            info.wait_for_publish(timeout=min(left, ACK_SLICE_S))
+
+    def _check_upload(self, run: str, rnd: int) -> None:
+        if self.stopping.is_set():
+            raise UploadStopped("the agent is stopping")
+        newer = self.superseded(run, rnd)
+        if newer is not None:
+            raise UploadStopped(f"round {newer[1]}'s task or model arrived: round {rnd} is closed", stale=True)
 
     def _send_update(self, run: str, rnd: int, frames: list[bytes], record: RoundRecord | None = None) -> None:
         """Publish the update's chunks with at most `upload_window` unacknowledged at once (the next chunk
         waits for the broker's PUBACK of the one `upload_window` back, so a heartbeat, published by its own
         thread, waits behind at most that many chunks), then report the upload time on update/stats, with
-        the round's `record` as meta `telemetry` (edge_client/telemetry.py)."""
+        the round's `record` as meta `telemetry` (edge_client/telemetry.py). Stops, without stats, as soon as
+        the upload is stale (the module's docstring)."""
         if record is not None:
             record.begin("upload", busy=False)
         try:
@@ -124,17 +173,40 @@ class Link:
     def _upload(self, run: str, rnd: int, frames: list[bytes], record: RoundRecord | None) -> None:
         start = time.perf_counter()
         infos, sent, limit, window = [], 0, self.cfg.agent.uplink_limit_Bps, self.cfg.agent.upload_window
+        acked = [0, 0.0]  # bytes acknowledged so far, and when the latest PUBACK was seen (perf_counter)
+
+        def ack(i: int) -> None:
+            self._await_ack(infos[i], run, rnd)
+            acked[0] += len(frames[i])
+            acked[1] = time.perf_counter()
+
         try:
-            for f in frames:
-                if len(infos) >= window and not self._acked(infos[-window], rnd):
-                    return
+            for i, f in enumerate(frames):
+                self._check_upload(run, rnd)
+                if i >= window:
+                    ack(i - window)
+                    self._check_upload(run, rnd)
                 infos.append(self.mqtt.publish(f"{self.base}/update/delta", f, qos=1))
                 sent += len(f)
                 ahead = sent / limit - (time.perf_counter() - start) if limit > 0 else 0.0
-                if ahead > 0 and self.stopping.wait(ahead):
-                    return
-            if not all(self._acked(info, rnd) for info in infos):
-                return
+                while ahead > 0:  # emulated uplink: wait, waking for a newer round or a stop
+                    self._wake.clear()
+                    self._check_upload(run, rnd)
+                    self._wake.wait(ahead)
+                    ahead = sent / limit - (time.perf_counter() - start)
+            for i in range(max(len(frames) - window, 0), len(frames)):
+                ack(i)
+        except UploadStopped as e:
+            if acked[0] and acked[1] > start:  # a measured rate all the same (chunk sizes of the next upload)
+                self.rates["uplink_Bps"] = acked[0] / (acked[1] - start)
+            if e.stale:
+                self.uploads_abandoned += 1
+                log.info(f"round {rnd}: upload abandoned after {len(infos)} of {len(frames)} chunks "
+                         f"({acked[0]} bytes acknowledged): {e}", extra=who(self.id))
+            else:
+                log.warning(f"round {rnd}: upload stopped after {len(infos)} of {len(frames)} chunks ({e}); it is "
+                            f"re-sent if the coordinator asks again", extra=who(self.id))
+            return
         except (RuntimeError, ValueError) as e:
             log.warning(f"round {rnd}: upload interrupted ({e}); it is re-sent if the coordinator asks again",
                         extra=who(self.id))
@@ -146,3 +218,11 @@ class Link:
         if record is not None:
             meta["telemetry"] = record.finish(self.battery.read(self.now()).pct)
         self._publish("update/stats", wire.encode("stats", run, rnd, self.client_idx, meta=meta))
+
+
+class UploadStopped(Exception):
+    """An upload that stops before its last PUBACK: `stale` when a newer round made it useless."""
+
+    def __init__(self, reason: str, stale: bool = False):
+        super().__init__(reason)
+        self.stale = stale

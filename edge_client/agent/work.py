@@ -152,6 +152,12 @@ class Work:
         ready = self.task is not None and self.weights is not None
         if ready and self.weights[:2] == (self.task[0], self.task[1].round) and self.task[3] in (None, self.weights[5]):
             (run, task, task_at, _), self.task = self.task, None
+            newer = self.superseded(run, task.round)
+            if newer is not None:  # round t+1's task or model is already here: round t has closed (link.py)
+                log.info(f"round {task.round}: not trained: round {newer[1]}'s task or model arrived first",
+                         extra=who(self.id))
+                self.tasks_skipped += 1
+                return
             wait_s = max(time.monotonic() - max(task_at, self.weights[4]), 0.0)  # busy with earlier messages
             self._train_and_upload(run, task, self.weights[2], self.weights[3], wait_s)
         if self.task is None:
@@ -217,11 +223,13 @@ class Work:
     def _upload_limits(self) -> wire.Limits:
         """Chunks small enough that one takes at most heartbeat_s at the uplink rate measured on the last
         upload (at least 4 KiB, at most chunk_bytes): something reaches the coordinator at least that often
-        while an upload is in progress (docs/field-mode.md "Liveness")."""
+        while an upload is in progress (docs/field-mode.md "Liveness"). Before any rate is measured (the first
+        upload), chunks of `first_chunk_bytes` (8 KiB): never one large chunk that heartbeats queue behind."""
         up = self.rates.get("uplink_Bps")
         if not up:
-            return self.limits
-        chunk = max(4096, int(up * self.cfg.agent.heartbeat_s))
+            chunk = self.cfg.agent.first_chunk_bytes
+        else:
+            chunk = max(4096, int(up * self.cfg.agent.heartbeat_s))
         return dataclasses.replace(self.limits, chunk_bytes=chunk) if chunk < self.limits.chunk_bytes else self.limits
 
     def _eval_batch(self, sess, name: str, x, y) -> int:
