@@ -159,9 +159,15 @@ class Registry(Mapping):
         return (f"choose one of {', '.join(self.names())}, or a plugin as module:attr "
                 f"(`dropfl plugins` lists what is installed)")
 
+    @staticmethod
+    def _ep_origin(ep: metadata.EntryPoint) -> str:
+        dist = getattr(ep, "dist", None)
+        where = f"{dist.metadata['Name']}=={dist.version}" if dist is not None else "an unknown distribution"
+        return f"entry point {where} ({ep.value})"
+
     def _from_entry_point(self, ep: metadata.EntryPoint) -> Entry:
         dist = getattr(ep, "dist", None)
-        where = f"{dist.metadata['Name']}=={dist.version}" if dist is not None else "unknown distribution"
+        where = f"{dist.metadata['Name']}=={dist.version}" if dist is not None else "an unknown distribution"
         try:
             obj = ep.load()
         except Exception as e:
@@ -169,7 +175,7 @@ class Registry(Mapping):
                               f"does not load ({type(e).__name__}: {_first_line(e)}): reinstall or fix "
                               f"that distribution") from None
         self._fail_if_wrong_kind(ep.name, obj)
-        return Entry(self.kind, ep.name, obj, f"entry point {where} ({ep.value})", self._meta(obj, {}))
+        return Entry(self.kind, ep.name, obj, self._ep_origin(ep), self._meta(obj, {}))
 
     def _from_path(self, name: str) -> Entry:
         module_name, _, attr = name.partition(":")
@@ -195,6 +201,22 @@ class Registry(Mapping):
         self._fail_if_wrong_kind(name, obj)
         return Entry(self.kind, name, obj, f"module {module_name} ({getattr(module, '__file__', None) or '?'})",
                      self._meta(obj, {}))
+
+    def listing(self) -> list[tuple[str, str]]:
+        """(name, where it comes from) for every registered name and installed entry point, for `dropfl plugins`.
+        Loads each entry point (so runs its code): one that does not load, or is of the wrong kind, says why;
+        one whose name a registered name takes is listed as shadowed."""
+        rows = [(e.name, e.origin) for e in (self._entries[n] for n in self.registered())]
+        for ep in self.entry_points():
+            if ep.name in self._entries:
+                rows.append((ep.name, f"{self._ep_origin(ep)}: shadowed by the {self._entries[ep.name].origin} "
+                                      f"{self.kind} of that name (rename the entry point)"))
+                continue
+            try:
+                rows.append((ep.name, self._from_entry_point(ep).origin))
+            except PluginError as e:
+                rows.append((ep.name, f"error: {e.reason}"))
+        return rows
 
     def meta(self, name: str, key: str):
         """A declared fact of the entry `name` (its default for a name that does not resolve)."""
