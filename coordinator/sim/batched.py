@@ -701,7 +701,11 @@ class Evaluator:
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, native: bool | str = True,
                  batch: int = 2000):
-        self.model, self.forward, self.batch = model, batched_forward(model), batch
+        self.model, self.batch = model, batch
+        try:
+            self.forward = batched_forward(model)
+        except TypeError:   # a model without a hand-written forward (the generic engine's): the reference evaluates
+            self.forward, native = None, False
         self.x, self.y = x.contiguous(), y
         self.native = kernel_variant(native, model, self.x, torch.device("cpu"))   # None: no fused layers
         self.x_split = _shared_split(model, self.x, self.native)

@@ -23,7 +23,8 @@ class SimTransport:
     `engine="loop"` is the reference: one client after another with the same `local_train` the edge
     agent runs. Tasks the batched engine does not replay run on the loop, as with `engine="loop"`:
     FedDD's (`dropout_rate`: masks and device memory, coordinator/sim/clock.py), every task of a run
-    with a clock `profile`, and every task of a model without a batched forward. `feddd=True` (the
+    with a clock `profile`, and every task of a model that neither a hand-written batched forward nor the
+    generic engine (coordinator/sim/functional.py, torch.func) can train. `feddd=True` (the
     strategy gives every task a dropout rate) starts no batched engine at all.
 
     What ran is recorded: `describe()` for the run (logged at its start), `round_info()["engine"]`
@@ -54,9 +55,14 @@ class SimTransport:
                 from coordinator.sim.batched import BatchedEngine
                 try:
                     self.batched = (make_engine or BatchedEngine)(model, client_data)
-                except TypeError as e:  # a model without a batched forward: the loop, said once
-                    self.loop_reason = f"no batched forward for {type(model).__name__}"
-                    log.warning("%s; its clients train on the reference loop", e)
+                except TypeError:  # no hand-written batched forward: the generic engine (torch.func)
+                    from coordinator.sim.functional import FunctionalEngine
+                    try:   # on the device --sim-device asked the batched engine for (run_sim's factory)
+                        self.batched = FunctionalEngine(model, client_data, getattr(make_engine, "keywords", {})
+                                                        .get("device", "auto"))
+                    except TypeError as e:  # torch.func cannot run it either: the loop, said once
+                        self.loop_reason = f"no batched forward for {type(model).__name__}"
+                        log.warning("%s; its clients train on the reference loop", e)
         self.last_engine = self.describe()
 
     def describe(self) -> str:
@@ -76,6 +82,8 @@ class SimTransport:
             text = f"a round's clients as one computation on {d['device']}"
             if d["workers"]:
                 text += f", {d['workers']} worker processes"
+            if d.get("generic"):
+                text += ", torch.func (no hand-written batched forward for this model)"
             if d["native"]:
                 text += ", fused LeNet kernels"
             elif "native_off" in d:

@@ -1,0 +1,266 @@
+"""The generic batched engine: a round's clients of ANY `nn.Module` as one computation, with `torch.func`.
+
+The reference path of the batched engine (docs/engine.md, "The generic engine"): where a model has no
+hand-written batched forward (`batched.batched_forward`), `SimTransport` trains its clients here instead of on
+the per-client loop. Every parameter and buffer gets a leading client dimension ([K, *shape]), and one step of
+K clients is `vmap(functional_call)` over the model's own forward: torch's batching rules turn a convolution
+into a grouped convolution and a linear layer into a batched matmul, so no layer is written by hand.
+
+Exactly `local_train`'s algorithm, client by client:
+- batches: `batch_table` with the client's own `client_generator`, in its order;
+- `SeededDropout` masks: `rand(real batch shape, client generator) >= p`, drawn per client in the model's
+  forward order after the batch table (as the loop does), then handed into the vmapped forward;
+- loss: `F.cross_entropy` (mean) over the client's real rows. No padding: at each step the clients still
+  training are grouped by their real batch size, one computation per size (padded rows would enter a
+  BatchNorm's batch statistics, and any other op that mixes the rows of a batch);
+- clients that finished (fewer steps) are frozen: sorted by step count, the active clients are a prefix;
+- FedProx g + μ(w − w_global), SCAFFOLD g + (c − c_i), then w ← w − lr·g with the client's own lr;
+- buffers (BatchNorm's running statistics, `num_batches_tracked`): one copy per client, starting from the
+  model's buffers when the engine was built, updated by the client's own steps as its forward updates them;
+  they are not in the delta (`get_flat` is parameters only, as in the loop) and are dropped after the round.
+
+What is not the loop's bits: the batched kernels sum in another order (float32: ~1e-7 relative per step;
+float64: 1e-12), and torch's own `nn.Dropout` draws from the global generator in both paths (under vmap,
+each client its own mask: `randomness="different"`), so a model with it is not reproducible on either path.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+from edge_client.determinism import cuda_deterministic, is_cuda
+from edge_client.models import SeededDropout
+from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
+
+
+class _Masks:
+    """The dropout masks of one vmapped forward, in the order its `SeededDropout` layers are called."""
+
+    def __init__(self) -> None:
+        self.queue: list[torch.Tensor] = []
+        self.record: list[tuple[SeededDropout, tuple[int, ...]]] | None = None   # the probe's: (layer, feature shape)
+
+    def forward(self, layer: SeededDropout, x: torch.Tensor) -> torch.Tensor:
+        """`SeededDropout.forward` with the mask handed in: x · keep / (1 − p), as the layer computes it."""
+        if not layer.training or layer.p == 0.0:
+            return x
+        if self.record is not None:   # the probe: which layer draws which shape per sample
+            self.record.append((layer, layer.mask_shape(x)[1:]))
+            return x
+        return x * self.queue.pop(0) / (1.0 - layer.p)
+
+
+def _engine_device(requested: str | None) -> torch.device:
+    """--sim-device for a model without a hand-written forward: auto = a GPU where torch sees one, else the CPU."""
+    if requested in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"FunctionalEngine: device {requested!r}, but torch sees no usable GPU here")
+    return device
+
+
+class FunctionalEngine:
+    """`BatchedEngine`'s interface (run, describe, details, close) for any model, in this process (one slice).
+
+    `device`: "auto" (a GPU where there is one, else the CPU), "cpu" or "cuda" (deterministic arithmetic:
+    edge_client/determinism.py). `threads`: the intra-op threads of a round's computation on the CPU (default:
+    this process's setting when the engine is built), fixed so that a run's rounding does not follow whatever
+    else changes the process's setting. Raises TypeError (the transport then trains on the loop) where
+    torch.func cannot run the model's forward and backward (checked here on two samples)."""
+
+    def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
+                 device: str | None = "auto", threads: int | None = None):
+        self.device = _engine_device(device)
+        if is_cuda(self.device):
+            cuda_deterministic()   # before anything reaches the GPU
+        self.threads = threads or torch.get_num_threads()
+        self.model = _private_copy(model).to(self.device).train()
+        self.sizes = [len(y) for _, y in client_data]
+        self.offsets = [0]
+        for n in self.sizes[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.x_all = torch.cat([x for x, _ in client_data]).to(self.device)
+        self.y_all = torch.cat([y for _, y in client_data]).to(self.device)
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.shapes = [p.shape for _, p in self.model.named_parameters()]
+        self.buffers0 = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self.masks = _Masks()
+        for layer in self.model.modules():   # this copy's dropout layers take their masks from `self.masks`
+            if isinstance(layer, SeededDropout):
+                layer.forward = lambda x, layer=layer: self.masks.forward(layer, x)   # type: ignore[method-assign]
+        self.drops: list[tuple[SeededDropout, tuple[int, ...]]] = []
+        self.last_buffers: dict[str, torch.Tensor] = {}   # the last round's per-client buffers, in task order
+        self._probe()
+
+    # -- one step of k clients ------------------------------------------------------------------------------
+    def _client_loss(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor,
+                     y: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
+        """One client's loss on one batch, as `local_train` computes it (vmapped over clients by `_step`)."""
+        self.masks.queue = list(masks)
+        out = functional_call(self.model, (params, buffers), (x,))
+        return F.cross_entropy(out, y)
+
+    def _step(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor,
+              y: torch.Tensor, masks: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """k clients' losses [k] and gradients ([k, *shape] each), from params [k, *shape] and batches x [k, s, ...]:
+        the forward vmapped over clients, one backward of Σ_k loss_k (each loss reads only its own slice of every
+        stack, so each client gets exactly its own gradient). The buffers are updated in place."""
+        live = {n: p.detach().requires_grad_() for n, p in params.items()}
+        loss = vmap(self._client_loss, randomness="different")(live, buffers, x, y, masks)
+        grads = torch.autograd.grad(loss.sum(), list(live.values()))
+        return loss.detach(), grads
+
+    def _probe(self) -> None:
+        """Run one step on two samples: records the dropout layers' calls (`self.drops`) and checks that
+        torch.func runs the model (TypeError where it does not, with torch's reason)."""
+        if len(self.y_all) == 0:
+            return
+        x = self.x_all[:2] if len(self.y_all) > 1 else self.x_all[:1].expand(2, *self.x_all.shape[1:])
+        y = torch.zeros(2, dtype=torch.long, device=self.device)
+        self.masks.record = []
+        try:
+            with torch.no_grad():
+                _private_copy(self.model)(x)   # (a copy: its buffers are updated)
+            self.drops, self.masks.record = self.masks.record, None
+            params = {n: p.detach().unsqueeze(0) for n, p in self.model.named_parameters()}
+            buffers = {n: b.unsqueeze(0).clone() for n, b in self.buffers0.items()}
+            masks = [torch.ones(1, 2, *shape, dtype=x.dtype, device=self.device) for _, shape in self.drops]
+            self._step(params, buffers, x.unsqueeze(0), y.unsqueeze(0), masks)
+        except Exception as e:   # noqa: BLE001 (any failure means: this model trains on the loop)
+            raise TypeError(f"generic batched engine: torch.func cannot train {type(self.model).__name__} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        finally:
+            self.masks.record, self.masks.queue = None, []
+
+    def _draw(self, gens: list[torch.Generator], size: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This step's dropout masks for clients with generators `gens` and a real batch of `size`: per client,
+        one `rand((size, *shape), generator) >= p` per dropout call in forward order (the loop's draws), as
+        one [k, size, *shape] stack per call."""
+        per_client = [[(torch.rand((size, *shape), generator=g) >= layer.p).to(dtype) for layer, shape in self.drops]
+                      for g in gens]
+        return [torch.stack([c[i] for c in per_client]).to(self.device) for i in range(len(self.drops))]
+
+    # -- a round ----------------------------------------------------------------------------------------------
+    def run(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return self._run(w_global, tasks)
+        finally:
+            torch.set_num_threads(saved)
+
+    def _run(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+        t_start = time.perf_counter()
+        gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
+        plans = [batch_table(self.sizes[t.client], t, g) for t, g in zip(tasks, gens)]   # (rows, sizes) each
+        order = sorted(range(len(tasks)), key=lambda i: -len(plans[i][1]))   # most steps first: active = a prefix
+        tasks, gens, plans = [tasks[i] for i in order], [gens[i] for i in order], [plans[i] for i in order]
+        k_all, dev = len(tasks), self.device
+        w0 = w_global.to(dev, next(iter(self.model.parameters())).dtype)   # set_flat's copy into the model
+        chunks = [c.view(s) for c, s in zip(torch.split(w0, [s.numel() for s in self.shapes]), self.shapes)]
+        anchors = dict(zip(self.names, chunks))   # FedProx's w_global, per parameter
+        params = {n: a.expand(k_all, *a.shape).clone() for n, a in anchors.items()}
+        buffers = {n: b.expand(k_all, *b.shape).clone() for n, b in self.buffers0.items()}
+        corr = None
+        if any(t.grad_correction is not None for t in tasks):
+            zero = torch.zeros_like(w0)
+            c = torch.stack([t.grad_correction.to(dev, w0.dtype) if t.grad_correction is not None else zero
+                             for t in tasks])
+            corr = {n: cc.reshape(k_all, *s) for n, s, cc in
+                    zip(self.names, self.shapes, torch.split(c, [s.numel() for s in self.shapes], 1))}
+        mu = torch.tensor([t.prox_mu for t in tasks], dtype=w0.dtype, device=dev)
+        neg_lr = torch.tensor([-t.lr for t in tasks], dtype=w0.dtype, device=dev)   # (one lr: the float itself)
+        n_steps = [len(s) for _, s in plans]
+        loss_sum = torch.zeros(k_all, dtype=torch.float64)
+        for j in range(max(n_steps, default=0)):
+            k = sum(1 for n in n_steps if n > j)   # the clients still training: a prefix
+            by_size: dict[int, list[int]] = {}
+            for i in range(k):
+                by_size.setdefault(int(plans[i][1][j]), []).append(i)
+            for size, idx in by_size.items():
+                loss = self._update(j, size, idx, tasks, gens, plans, params, buffers, anchors, corr, mu, neg_lr)
+                loss_sum[idx] += loss.double().cpu()
+        flat = torch.cat([p.reshape(k_all, -1) for p in params.values()], 1)
+        deltas = (w0.unsqueeze(0) - flat).to(w_global.device, w_global.dtype)
+        self.last_buffers = {n: b[torch.tensor(_inverse(order), dtype=torch.long, device=dev)]
+                             for n, b in buffers.items()}
+        seconds = time.perf_counter() - t_start
+        out: list[LocalResult | None] = [None] * k_all
+        for j, i in enumerate(order):
+            out[i] = LocalResult(deltas[j].clone(), self.sizes[tasks[j].client], n_steps[j],
+                                 float(loss_sum[j]) / max(n_steps[j], 1), seconds)
+        return out   # type: ignore[return-value]
+
+    def _update(self, j: int, size: int, idx: list[int], tasks, gens, plans, params, buffers, anchors, corr,
+                mu: torch.Tensor, neg_lr: torch.Tensor) -> torch.Tensor:
+        """Step j for clients `idx` (real batch `size` each): forward, backward, SGD update in place. Their loss [k]."""
+        lo, hi = idx[0], idx[-1] + 1
+        sel: slice | torch.Tensor = slice(lo, hi) if hi - lo == len(idx) else \
+            torch.tensor(idx, dtype=torch.long, device=self.device)   # a range: views, else copies written back
+        rows = torch.stack([plans[i][0][j, :size] + self.offsets[tasks[i].client] for i in idx]).to(self.device)
+        x, y = self.x_all[rows], self.y_all[rows]
+        if x.dim() == 5:   # images [k, s, C, H, W] held as [s, H, W, k, C]: vmap's grouped conv reads channels-last
+            # (an NCHW grouped conv with one input channel per group was ~30x slower here, measured)
+            x = x.permute(1, 3, 4, 0, 2).contiguous().permute(3, 0, 4, 1, 2)
+        masks = self._draw([gens[i] for i in idx], size, x.dtype)
+        p_sub = {n: p[sel] for n, p in params.items()}
+        b_sub = {n: b[sel] for n, b in buffers.items()}
+        loss, grads = self._step(p_sub, b_sub, x, y, masks)
+        with torch.no_grad():
+            m, lr = mu[sel], neg_lr[sel]
+            same_lr = len({tasks[i].lr for i in idx}) == 1
+            for (n, p), g in zip(p_sub.items(), grads):
+                col = (-1,) + (1,) * (p.dim() - 1)
+                if any(tasks[i].prox_mu for i in idx):   # FedProx: g + μ (w − w_global)
+                    g = g + m.view(col) * (p - anchors[n])
+                if corr is not None:                    # SCAFFOLD: g + (c − c_i)
+                    g = g + corr[n][sel]
+                if same_lr:                             # w ← w − lr·g, as p.add_(g, alpha=−lr)
+                    p.add_(g, alpha=-tasks[idx[0]].lr)
+                else:
+                    p.addcmul_(g, lr.view(col))
+            if isinstance(sel, torch.Tensor):           # copies: write them back
+                for n in params:
+                    params[n][sel] = p_sub[n]
+                for n in buffers:
+                    buffers[n][sel] = b_sub[n]
+        return loss
+
+    # -- BatchedEngine's interface ----------------------------------------------------------------------------
+    def describe(self) -> str:
+        """metrics.jsonl's `engine`: "batched (torch.func)", on a GPU "batched (torch.func, cuda)"."""
+        return "batched (torch.func)" if self.device.type == "cpu" else f"batched (torch.func, {self.device.type})"
+
+    def details(self) -> dict:
+        return {"device": str(self.device), "workers": 0, "slices": 1, "native": False, "kernel": None,
+                "generic": True, "threads": self.threads}
+
+    def close(self) -> None:
+        """Nothing to stop: the engine runs in this process."""
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for j, i in enumerate(order):
+        inv[i] = j
+    return inv
+
+
+def _private_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` without the generators `local_train` leaves on its dropout layers (the engine hands
+    masks in; generators are not copied)."""
+    saved = [(m, m.generator) for m in model.modules() if isinstance(m, SeededDropout)]
+    for m, _ in saved:
+        m.generator = None
+    try:
+        return copy.deepcopy(model)
+    finally:
+        for m, g in saved:
+            m.generator = g

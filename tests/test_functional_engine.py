@@ -1,0 +1,202 @@
+"""The generic batched engine (coordinator/sim/functional.py, torch.func) gives the reference loop's updates
+(`local_train`) for models without a hand-written batched forward.
+
+Contract tested here, per model (a small MLP with element dropout, a small CNN with channel dropout and max-pool,
+a small ResNet with BatchNorm and a strided shortcut):
+- float64, one round mixing a smaller last batch, fixed steps with FedProx, two epochs with SCAFFOLD, another lr,
+  an empty client and three epochs: delta, loss, steps and samples = the loop's, deltas to 1e-10 (observed ~1e-16);
+- BatchNorm's per-client buffers = the buffers the loop leaves in a fresh model after that client's round (1e-12);
+- float32, batch 16: deltas to 1e-5 of the loop's (observed ~1e-8; the batched kernels sum in another order);
+- the same round twice gives the same bits;
+- SimTransport trains such a model on this engine and records "batched (torch.func)"; `engine="loop"` still
+  forces the loop; a forward torch.func cannot run leaves the model on the loop, with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coordinator.sim.batched import BatchedEngine, Evaluator
+from coordinator.sim.functional import FunctionalEngine
+from coordinator.sim.transport import SimTransport
+from edge_client.models import SeededDropout, build_model, get_flat
+from edge_client.trainer import TrainTask, local_train
+
+F64_TOL = 1e-10
+F32_TOL = 1e-5
+
+
+class TinyMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 32), nn.Linear(32, 10)
+        self.drop = SeededDropout(0.3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x.flatten(1)))))
+
+
+class TinyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 4, 3), nn.Conv2d(4, 8, 3)
+        self.d2 = SeededDropout(0.25, channel=True)
+        self.fc = nn.Linear(8 * 2 * 2, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.c1(x)), 2)
+        x = F.max_pool2d(torch.relu(self.d2(self.c2(x))), 2)
+        return self.fc(x.flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out)
+        self.c2, self.b2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out)
+        self.short = nn.Sequential() if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + self.short(x))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width)
+        self.l1, self.l2 = Block(width, width, 1), Block(width, 2 * width, 2)
+        self.fc = nn.Linear(2 * width, 10)
+
+    def forward(self, x):
+        h = self.l2(self.l1(torch.relu(self.bn(self.stem(x)))))
+        return self.fc(h.mean((2, 3)))
+
+
+MODELS = {"mlp": (TinyMLP, (1, 8, 8)), "cnn": (TinyCNN, (1, 14, 14)), "resnet": (TinyResNet, (3, 8, 8))}
+
+
+def make(name: str, dtype: torch.dtype) -> tuple[nn.Module, tuple[int, ...]]:
+    cls, shape = MODELS[name]
+    torch.manual_seed(0)
+    return cls().to(dtype), shape
+
+
+def make_data(sizes: list[int], shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.rand(n, *shape, generator=g).to(dtype), torch.randint(0, 10, (n,), generator=g)) for n in sizes]
+
+
+def mixed_tasks(w: torch.Tensor, batch: int) -> list[TrainTask]:
+    """0: one epoch (smaller last batch); 1: fixed steps + FedProx; 2: two epochs + SCAFFOLD, another lr;
+    3: no data; 4: three epochs of a data set smaller than a batch."""
+    corr = torch.randn(w.shape, generator=torch.Generator().manual_seed(1), dtype=w.dtype) * 0.01
+    return [TrainTask(client=0, round=2, lr=0.05, batch_size=batch, epochs=1, seed=5),
+            TrainTask(client=1, round=2, lr=0.05, batch_size=batch, steps=5, prox_mu=0.5, seed=5),
+            TrainTask(client=2, round=2, lr=0.03, batch_size=batch, epochs=2, grad_correction=corr, seed=5),
+            TrainTask(client=3, round=2, lr=0.05, batch_size=batch, epochs=1, seed=5),
+            TrainTask(client=4, round=2, lr=0.05, batch_size=batch, epochs=3, seed=5)]
+
+
+def loop(model: nn.Module, w: torch.Tensor, data, task: TrainTask):
+    """The reference on a fresh copy of the model (its buffers as the engine's start: see the module docstring)."""
+    m = copy.deepcopy(model)
+    return local_train(m, w, *data[task.client], task), m
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_float64_equals_the_loop(name: str) -> None:
+    model, shape = make(name, torch.float64)
+    w = get_flat(model)
+    data = make_data([19, 32, 8, 0, 5], shape, torch.float64)
+    tasks = mixed_tasks(w, 8)
+    engine = FunctionalEngine(model, data, device="cpu")
+    got = engine.run(w, tasks)
+    assert [r.steps for r in got] == [3, 5, 2, 0, 3]
+    for i, task in enumerate(tasks):
+        ref, m = loop(model, w, data, task)
+        assert (got[i].steps, got[i].num_samples) == (ref.steps, ref.num_samples)
+        assert torch.allclose(got[i].delta, ref.delta, atol=F64_TOL, rtol=0)
+        assert got[i].loss == pytest.approx(ref.loss, abs=1e-12)
+        for n, b in m.named_buffers():   # BatchNorm: this client's running statistics and step count
+            assert torch.allclose(engine.last_buffers[n][i].to(b.dtype), b, atol=1e-12, rtol=0), n
+    if name == "resnet":
+        assert int(engine.last_buffers["bn.num_batches_tracked"][1]) == 5
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_float32_within_tolerance_and_deterministic(name: str) -> None:
+    model, shape = make(name, torch.float32)
+    w = get_flat(model)
+    data = make_data([40, 23, 16, 7], shape, torch.float32, seed=3)
+    tasks = [TrainTask(client=c, round=1, lr=0.05, batch_size=16, epochs=2, seed=9) for c in range(4)]
+    engine = FunctionalEngine(model, data, device="cpu")
+    first, again = engine.run(w, tasks), engine.run(w, tasks)
+    for i, task in enumerate(tasks):
+        ref, _ = loop(model, w, data, task)
+        assert first[i].steps == ref.steps
+        assert torch.allclose(first[i].delta, ref.delta, atol=F32_TOL, rtol=0)
+        assert first[i].loss == pytest.approx(ref.loss, abs=1e-5)
+        assert torch.equal(first[i].delta, again[i].delta) and first[i].loss == again[i].loss
+
+
+def test_dropout_masks_come_from_each_clients_generator() -> None:
+    """Two clients on the same data differ only by their generator: their updates differ, and each is the loop's."""
+    model, shape = make("mlp", torch.float64)
+    w = get_flat(model)
+    x, y = make_data([16], shape, torch.float64)[0]
+    data = [(x, y), (x.clone(), y.clone())]
+    tasks = [TrainTask(client=c, round=0, lr=0.1, batch_size=16, steps=1, seed=0) for c in (0, 1)]
+    got = FunctionalEngine(model, data, device="cpu").run(w, tasks)
+    assert not torch.allclose(got[0].delta, got[1].delta)
+    for i, task in enumerate(tasks):
+        assert torch.allclose(got[i].delta, loop(model, w, data, task)[0].delta, atol=F64_TOL, rtol=0)
+
+
+def test_the_transport_trains_other_models_on_it() -> None:
+    model, shape = make("resnet", torch.float32)
+    w = get_flat(model)
+    data = make_data([12, 20, 9], shape, torch.float32, seed=4)
+    tasks = [TrainTask(client=c, round=0, lr=0.05, batch_size=8, epochs=1, seed=2) for c in (2, 0, 1)]
+    transport = SimTransport(copy.deepcopy(model), data)
+    assert isinstance(transport.batched, FunctionalEngine)
+    assert transport.describe() == "batched (torch.func)"
+    line, fields = transport.summary()
+    assert "torch.func" in line and fields["generic"] and fields["slices"] == 1
+    got, _ = transport.run_round(0, w, tasks)
+    assert transport.round_info() == {"engine": "batched (torch.func)"}
+    ref, _ = SimTransport(copy.deepcopy(model), data, "loop").run_round(0, w, tasks)
+    assert list(got) == list(ref) == [2, 0, 1]
+    for c in ref:   # the loop's model carries BatchNorm buffers from client to client: they never reach a delta
+        assert got[c].steps == ref[c].steps
+        assert torch.allclose(got[c].delta, ref[c].delta, atol=F32_TOL, rtol=0)
+    looped = SimTransport(copy.deepcopy(model), data, "loop")
+    assert looped.batched is None and looped.describe() == "loop"
+    # the shipped models keep their hand-written engine
+    lenet = SimTransport(build_model("mimic-cnn", (1, 28, 28), 10, seed=1), make_data([4], (1, 28, 28), torch.float32))
+    try:
+        assert isinstance(lenet.batched, BatchedEngine)
+    finally:
+        lenet.close()
+    # nor does the evaluation look for fused kernels the model does not have
+    assert not Evaluator(model, data[0][0], data[0][1]).available()
+
+
+def test_a_forward_torch_func_cannot_run_stays_on_the_loop() -> None:
+    class Branchy(nn.Module):   # data-dependent control flow: vmap cannot batch it
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x) if float(x.sum()) > 0 else -self.fc(x)
+
+    with pytest.raises(TypeError, match="torch.func cannot train Branchy"):
+        FunctionalEngine(Branchy(), make_data([4], (4,), torch.float32))
+    transport = SimTransport(Branchy(), make_data([4], (4,), torch.float32))
+    assert transport.batched is None and transport.describe() == "loop (no batched forward for Branchy)"
