@@ -29,12 +29,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from coordinator.availability.models import RoundAvailability
+from coordinator import protocols
+from coordinator.protocols import AvailabilitySource, StatefulTransport, Transport
 from coordinator.reports import task_row
 from coordinator.rundir import DIVERGED, RunDir
 from coordinator.statestore import referenced
@@ -48,17 +48,6 @@ log = logging.getLogger("dropfl.replay")
 # does not train it either (FedDD's device memory then follows the recorded run). Other drops (deadline,
 # rejected, offline) trained, or may have, and train in the replay; none of them is aggregated.
 DECLINED = ("battery", "charging", "slow_link", "declined", "thermal")
-
-
-class Transport(Protocol):
-    def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]
-                  ) -> tuple[dict[int, ClientUpdate], dict[int, str]]:
-        """Broadcast w, run the tasks; return (updates that arrived in time, {client: drop reason})."""
-        ...
-
-
-class AvailabilitySource(Protocol):
-    def round(self, t: int) -> RoundAvailability: ...
 
 
 @dataclass
@@ -101,7 +90,7 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
             start, w, counters = ck["round"] + 1, ck["w"], ck["counters"]
             state = strategy.adopt_state(ck["state"])
             rundir.checkpoint_refs = referenced(ck)
-            if "transport" in ck and hasattr(transport, "load_state_dict"):  # absent in older checkpoints
+            if "transport" in ck and isinstance(transport, StatefulTransport):  # absent in older checkpoints
                 transport.load_state_dict(ck["transport"])
     if resume and rundir.file(DIVERGED).exists():   # a run that diverged is tried again from its checkpoint
         log.warning("resuming a run that diverged (%s): %s", DIVERGED,
@@ -114,7 +103,7 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
     metrics = rundir.metrics_writer(resume_from_round=start if resume else None)
     # a strategy's own per-round log (FL-FDMS: friends.jsonl), cut back to the checkpoint on resume like metrics
     slog = (rundir.round_log(strategy.round_log_file, resume_from_round=start if resume else None)
-            if getattr(strategy, "round_log_file", None) else None)
+            if protocols.round_log_file(strategy) else None)
     bar = _progress(cfg.rounds, start, progress)
     t0 = time.perf_counter()
     differs: list[int] = []  # replay: rounds where the strategy would have selected other clients than the log
@@ -124,7 +113,7 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         avail = availability.round(t)
         rng = np.random.default_rng([cfg.seed, t, 0x5E1])
         selected = strategy.select(state, t, avail.available, rng)
-        logged = getattr(avail, "selected", None)  # a replayed log: the recorded selection
+        logged = protocols.recorded_selection(avail)  # a replayed log: the recorded selection
         if logged is not None and set(selected) != set(logged):
             _selection_differs(strategy, t, selected, logged, differs)
             selected = list(logged)
@@ -132,16 +121,16 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         tasks = [strategy.configure(state, t, TrainTask(client=i, round=t, lr=lr, batch_size=cfg.batch_size,
                                                         epochs=cfg.epochs, steps=cfg.steps, seed=cfg.seed))
                  for i in selected]
-        drops = getattr(avail, "drops", None)  # a replayed log: dropped after selection, with the reason
+        drops = protocols.recorded_drops(avail)  # a replayed log: dropped after selection, with the reason
         trained = [task for task in tasks if not drops or drops.get(task.client) not in DECLINED]
-        if strategy.absorbs and getattr(transport, "streams_updates", False):  # e.g. MIFA in simulation
+        if strategy.absorbs and protocols.streams(transport):  # e.g. MIFA in simulation
             updates, dropped = transport.run_round(t, w, trained, absorb=_absorber(strategy, state, t, drops))
         else:
             updates, dropped = transport.run_round(t, w, trained)
         if drops:
             updates = {i: u for i, u in updates.items() if i not in drops}
             dropped = {**dropped, **drops}  # drops ⊆ the recorded selection = selected
-        recorded = getattr(avail, "reports", None)  # a replayed log with reports.jsonl: what the clients measured
+        recorded = protocols.recorded_reports(avail)  # a replayed log with reports.jsonl: what the clients measured
         if recorded is not None:
             updates = _recorded_reports(strategy, t, updates, tasks, recorded, avail.tasks or {}, told)
         w, state = strategy.aggregate(state, t, w, updates)
@@ -159,8 +148,8 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         row = {"round": t, "lr": lr, "uploads": counters["uploads"], "client_uploads": counters["client_uploads"],
                "available": int(avail.available.sum()), "selected": len(selected), "participants": len(updates),
                "train_loss": _mean([u.loss for u in updates.values()])}
-        row |= transport.round_info() if hasattr(transport, "round_info") else {}  # sim: the engine that ran
-        for key, v in (transport.round_stats() if hasattr(transport, "round_stats") else {}).items():
+        row |= protocols.round_info(transport)  # sim: the engine that ran
+        for key, v in protocols.round_stats(transport).items():
             counters[key] = counters.get(key, 0.0) + v  # what the transport measured: bytes, virtual round time
             row[key], row[key + "_total"] = v, counters[key]
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
@@ -171,7 +160,7 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         for observe in observers or ():
             observe(row)
         ck = {"round": t, "w": w, "state": state, "counters": dict(counters)}
-        if hasattr(transport, "state_dict"):  # what the clients keep between rounds (sim: FedDD memory)
+        if isinstance(transport, StatefulTransport):  # what the clients keep between rounds (sim: FedDD memory)
             ck["transport"] = transport.state_dict()
         if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:
             rundir.save_checkpoint(ck)
