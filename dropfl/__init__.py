@@ -14,7 +14,7 @@ with stable names, and entry points that check their input exactly as the `dropf
 
 from __future__ import annotations
 
-from coordinator.availability.models import REASONS, Availability, RoundAvailability
+from coordinator.availability.models import AVAILABILITY, REASONS, Availability, RoundAvailability
 from coordinator.availability.participation import LoggedRound, Replay
 from coordinator.config import (
     AvailabilityConfig,
@@ -47,6 +47,10 @@ from coordinator.strategies import STRATEGIES
 from coordinator.strategies.base import ClientUpdate, State, Strategy
 from dropfl._guard import MainGuardError
 from dropfl.api import RunDirectory, field, load_config, replay, simulate
+from edge_client.datasets import DATASETS
+from edge_client.models import MODELS
+from edge_client.partition import PARTITIONERS
+from edge_client.registry import PluginError, Registry
 from edge_client.report import ClientReport
 from edge_client.trainer import LocalResult, TrainTask
 
@@ -69,6 +73,8 @@ __all__ = [
     "Strategy", "STRATEGIES", "State", "ClientUpdate", "ClientReport", "TrainTask", "LocalResult",
     # availability
     "Availability", "RoundAvailability", "REASONS", "Replay", "LoggedRound",
+    # the registries (one per kind: built-ins, then entry points, then module:attr; docs/extending.md)
+    "MODELS", "DATASETS", "PARTITIONERS", "AVAILABILITY", "Registry", "PluginError",
     # the round loop's interfaces (coordinator/protocols.py)
     "StrategyProtocol", "Absorbing", "RoundLogging", "FromConfig", "LrScheduled", "Transport", "StreamingTransport",
     "StatefulTransport", "RoundStats", "RoundInfo", "Closable", "AvailabilitySource", "RecordedRound",
