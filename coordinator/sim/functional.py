@@ -198,6 +198,15 @@ class FunctionalEngine:
                                  float(loss_sum[j]) / max(n_steps[j], 1), seconds)
         return out   # type: ignore[return-value]
 
+    def _inputs(self, rows: torch.Tensor) -> torch.Tensor:
+        """The samples `rows` [k, s] of the clients, [k, s, ...]. Images [k, s, C, H, W] are held as [s, H, W, k, C]:
+        vmap's grouped convolution ([s, k·C, H, W]) then reads them channels-last without a copy (with one input
+        channel per group, the NCHW grouped convolution's backward was ~30x slower here: docs/engine.md)."""
+        x = self.x_all[rows]
+        if x.dim() == 5:
+            x = x.permute(1, 3, 4, 0, 2).contiguous().permute(3, 0, 4, 1, 2)
+        return x
+
     def _update(self, j: int, size: int, idx: list[int], tasks, gens, plans, params, buffers, anchors, corr,
                 mu: torch.Tensor, neg_lr: torch.Tensor) -> torch.Tensor:
         """Step j for clients `idx` (real batch `size` each): forward, backward, SGD update in place. Their loss [k]."""
@@ -205,10 +214,7 @@ class FunctionalEngine:
         sel: slice | torch.Tensor = slice(lo, hi) if hi - lo == len(idx) else \
             torch.tensor(idx, dtype=torch.long, device=self.device)   # a range: views, else copies written back
         rows = torch.stack([plans[i][0][j, :size] + self.offsets[tasks[i].client] for i in idx]).to(self.device)
-        x, y = self.x_all[rows], self.y_all[rows]
-        if x.dim() == 5:   # images [k, s, C, H, W] held as [s, H, W, k, C]: vmap's grouped conv reads channels-last
-            # (an NCHW grouped conv with one input channel per group was ~30x slower here, measured)
-            x = x.permute(1, 3, 4, 0, 2).contiguous().permute(3, 0, 4, 1, 2)
+        x, y = self._inputs(rows), self.y_all[rows]
         masks = self._draw([gens[i] for i in idx], size, x.dtype)
         p_sub = {n: p[sel] for n, p in params.items()}
         b_sub = {n: b[sel] for n, b in buffers.items()}
