@@ -122,7 +122,7 @@ def test_trial_defaults_reach_the_coordinator(no_start, monkeypatch):
     cmd = trial_run.coordinator_command(out, "mqtt://127.0.0.1:1", deadline_s, heartbeat_s, 300.0, {})
     fc = coord_cli.field_config(cli.build_parser().parse_args(cmd[3:]), Path(out), resume=False)
     assert (fc.deadline_s, fc.heartbeat_timeout_s, fc.broker_outage_timeout_s) == (30.0, 8.0, 300.0)
-    assert fc.upload_extension_s == 0.0 and fc.round_wait_s == 0.0  # the coordinator's own defaults
+    assert fc.upload_extension_s == 60.0 and fc.round_wait_s == 0.0  # the coordinator's own defaults
 
 
 def test_trial_options_keep_the_coordinators_options(tmp_path):

@@ -27,7 +27,8 @@ FIELD_OPTIONS = {  # flag: (FieldConfig field, type, help)
     "--deadline": ("deadline_s", float, "per-round deadline in seconds (default: 60)"),
     "--heartbeat-timeout": ("heartbeat_timeout_s", float, "an agent silent for this long is offline (default: 10)"),
     "--upload-extension": ("upload_extension_s", float, "an upload still arriving at the deadline at a rate that "
-                           "finishes within this many seconds past it keeps the round open (default: 0, off)"),
+                           "finishes within this many seconds past it keeps the round open (default: 60; 0: the "
+                           "deadline is hard)"),
     "--wait-agents": ("wait_agents", int, "agents to wait for before round 0 (default: --clients)"),
     "--wait-timeout": ("wait_timeout_s", float, "give up waiting for agents after this long (default: 120)"),
     "--round-wait": ("round_wait_s", float, "at each round start, wait up to this long for absent agents (default: 0)"),

@@ -39,7 +39,7 @@ class FieldConfig:
     run_id: str = ""
     deadline_s: float = 60.0          # per round, from the publish of the model and tasks
     heartbeat_timeout_s: float = 10.0  # nothing heard from an agent for this long: offline
-    upload_extension_s: float = 0.0   # an upload still arriving at the deadline may run this much past it (0: off)
+    upload_extension_s: float = 60.0  # an upload still arriving at the deadline may run this much past it (0: off)
     wait_agents: int = 0              # at start, wait for this many agents (0: all clients)
     wait_timeout_s: float = 120.0
     round_wait_s: float = 0.0         # at each round start, wait up to this long for all agents
