@@ -406,9 +406,9 @@ def test_a_linear_weights_gradient_and_step_in_one_pass_give_the_torch_ops_bits(
                                                                               dtype: torch.dtype) -> None:
     """`fc_sgd` (plain SGD of a fully connected weight in the LeNet step by hand: its gradient xᵀ·g and the step in
     one pass): where it runs, the bits of `w.add_(xᵀ.bmm(g), alpha=-lr)`; where it does not (a shape whose bits it
-    would not give, a layer narrower than a vector) it leaves w as it was and says so. On x86 with MKL and FMA it
-    runs for the LeNets' fully connected layers (mimic-cnn's 256→120 and 120→84, cifar-lenet's 400→120) at any
-    batch, so a change of the kernel's order fails here instead of quietly falling back."""
+    would not give, a layer narrower than a vector) it leaves w as it was and says so: it runs exactly where its
+    runtime check (`fc_sgd_exact`) passes, which depends on the CPU and the BLAS build. Wherever the check refuses
+    it, the kernel is still run directly and must give the same step to float rounding."""
     gen = torch.Generator().manual_seed(11)
     as_int = torch.int32 if dtype == torch.float32 else torch.int64
     lanes = kernels.VECTOR_BYTES[variant] // torch.empty(0, dtype=dtype).element_size()
@@ -439,8 +439,8 @@ def test_the_native_fully_connected_layers_give_the_torch_ops_bits(variant: str,
     """`FcLayers` (the LeNet step by hand's fully connected layers with plain SGD: `fc_fwd`, `fc_bwd_sgd`): where
     `make` returns it, its logits, its input gradient and every weight and bias after the steps are the bits of the
     torch ops it replaces, layer by layer (baddbmm, relu; bmm, threshold_backward, sum, add_), step after step on
-    the first k clients. On x86 with MKL and FMA it is made for mimic-cnn's and cifar-lenet's layers at the batch
-    sizes of the papers' settings, so a change of an order fails here instead of quietly falling back."""
+    the first k clients. `make` returns it exactly where `fc_layer_exact` passes (CPU and BLAS dependent); where it
+    does not, the same kernels are made regardless and must give the torch ops' results to float rounding."""
     gen = torch.Generator().manual_seed(12)
     as_int = torch.int32 if dtype == torch.float32 else torch.int64
     for b, dims in [(16, (256, 120, 84, 10)), (10, (256, 120, 84, 10)), (32, (400, 120, 84, 10)),
