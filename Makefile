@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-device lint bench clean
+.PHONY: setup demo test test-fast test-device lint bench clean
 setup:
 	bash scripts/bootstrap.sh
 
@@ -15,6 +15,11 @@ demo: setup
 # reason without root, qemu/debootstrap or the network): ~4 min with its rootfs cached in ~/.cache, ~15 min cold
 test: setup
 	DROPFL_TEST_DEVICE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# The edit loop: the unit and engine tiers without the slow tests (tests/conftest.py says which file is in which
+# tier), one pytest-xdist worker per core, a file's tests on one worker. `make test` stays the full suite (CI).
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile -m "(unit or engine) and not slow" tests
 
 # Only the emulated Raspberry Pi (scripts/emulated-pi.sh): needs root, debootstrap, qemu-user-static, mosquitto and
 # the network (deb.debian.org, PyPI)
