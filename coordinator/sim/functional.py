@@ -26,7 +26,6 @@ each client its own mask: `randomness="different"`), so a model with it is not r
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
+from coordinator.sim.batched import _strip_generators
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
@@ -81,7 +81,7 @@ class FunctionalEngine:
         if is_cuda(self.device):
             cuda_deterministic()   # before anything reaches the GPU
         self.threads = threads or torch.get_num_threads()
-        self.model = _private_copy(model).to(self.device).train()
+        self.model = _strip_generators(model).to(self.device).train()
         self.sizes = [len(y) for _, y in client_data]
         self.offsets = [0]
         for n in self.sizes[:-1]:
@@ -127,7 +127,7 @@ class FunctionalEngine:
         self.masks.record = []
         try:
             with torch.no_grad():
-                _private_copy(self.model)(x)   # (a copy: its buffers are updated)
+                _strip_generators(self.model)(x)   # (a copy: its buffers are updated)
             self.drops, self.masks.record = self.masks.record, None
             params = {n: p.detach().unsqueeze(0) for n, p in self.model.named_parameters()}
             buffers = {n: b.unsqueeze(0).clone() for n, b in self.buffers0.items()}
@@ -257,16 +257,3 @@ def _inverse(order: list[int]) -> list[int]:
     for j, i in enumerate(order):
         inv[i] = j
     return inv
-
-
-def _private_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` without the generators `local_train` leaves on its dropout layers (the engine hands
-    masks in; generators are not copied)."""
-    saved = [(m, m.generator) for m in model.modules() if isinstance(m, SeededDropout)]
-    for m, _ in saved:
-        m.generator = None
-    try:
-        return copy.deepcopy(model)
-    finally:
-        for m, g in saved:
-            m.generator = g
