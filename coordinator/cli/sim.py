@@ -49,7 +49,7 @@ def run(args) -> int:
     last = _last_eval(rundir.file("metrics.jsonl"))
     print(f"run directory: {out}")
     if last:
-        print(f"final: round {last['round']}, accuracy {100 * last['accuracy']:.2f}%, "
+        print(f"final: round {last['round'] + 1}/{cfg.run.rounds}, accuracy {100 * last['accuracy']:.2f}%, "
               f"uploads {last['uploads']}, client uploads {last['client_uploads']}")
     return 0
 

@@ -41,11 +41,94 @@ class Run:
         return self.config.get("strategy", {}).get("algo", "?")
 
     @property
+    def label(self) -> str:
+        """A curve's name in the plots' legends: the algorithm, then the run (`mimic (x-mimic)`); unique as the
+        run names are (load_runs); the algorithm alone where the run is named after it."""
+        return self.algo if self.name == self.algo else f"{self.algo} ({self.name})"
+
+    @property
+    def is_field(self) -> bool:
+        """A field run (`dropfl coordinator`: field.json) or a one-machine trial (`dropfl trial`: trial.json)."""
+        return (self.path / "field.json").exists() or (self.path / "trial.json").exists()
+
+    @property
     def availability(self) -> str:
-        return self.config.get("availability", {}).get("kind", "?")
+        return describe_availability(self)
 
     def evaluated(self) -> list[dict]:
         return [r for r in self.metrics if r.get("accuracy") is not None]
+
+
+# what a model's parameters are called in the report (config.json `availability` keys)
+MODEL_PARAMS = {"bounded": (("tau_max", "τmax"),), "static": (("p", "p"),), "timevarying": (("fraction", "P"),),
+                "diurnal": (("half_period", "E"),), "cluster-dropout": (("alpha", "α"),)}
+
+
+def model_text(avail: dict) -> str:
+    """An availability model as the report names it: `bounded (τmax 20)`, `static (p 0.1)`, `always`."""
+    kind = avail.get("kind", "?")
+    params = [f"{name} {avail[key]:g}" if isinstance(avail[key], float) else f"{name} {avail[key]}"
+              for key, name in MODEL_PARAMS.get(kind, ()) if avail.get(key) is not None]
+    if kind == "device-trace" and avail.get("device_trace"):
+        params.append(Path(avail["device_trace"]).name)
+    return f"{kind} ({', '.join(params)})" if params else kind
+
+
+def _pct(share: float) -> str:
+    pct = 100 * share
+    return f"{pct:.0f} %" if pct >= 1 or pct == 0 else f"{pct:.1f} %"
+
+
+def reason_shares(run: Run) -> list[tuple[str, float]]:
+    """Each reason clients were unavailable or dropped for, with its share of the log's client-rounds, the
+    largest first (ties: by name); [] without a participation log."""
+    if not run.participation and run.columnar is None:
+        return []
+    codes, labels = raster_codes(run)
+    counts = np.bincount(codes[codes >= 0].ravel(), minlength=len(labels))
+    total = int(counts.sum())
+    per: dict[str, int] = {}
+    for lab, n in zip(labels, counts.tolist()):
+        if ": " in lab:
+            why = lab.split(": ", 1)[1]
+            per[why] = per.get(why, 0) + n
+    return sorted(((why, n / total) for why, n in per.items() if n), key=lambda x: (-x[1], x[0])) if total else []
+
+
+def field_text(run: Run) -> str:
+    """A field run's availability: the recorded causes, `field: battery 12 %, offline 3 %` (shares of the
+    client-rounds), `field: none lost` when every client took part or was not selected."""
+    shares = reason_shares(run)
+    if not shares:
+        return "field: none lost" if run.participation or run.columnar is not None else "field (no participation log)"
+    return "field: " + ", ".join(f"{why} {_pct(share)}" for why, share in shares)
+
+
+def _recorded_run(trace: str, run_path: Path) -> Path | None:
+    """The run directory a replay's trace (its participation.csv or participation/) was recorded in."""
+    for base in (Path(trace), run_path.parent / trace):
+        if base.exists():
+            return base.parent if base.name in ("participation.csv", columnar.DIR) or base.is_file() else base
+    return None
+
+
+def describe_availability(run: Run) -> str:
+    """The availability column: the model (`bounded (τmax 20)`); for a replay, what the trace came from
+    (`replay of bounded (τmax 20)`, `replay of field: battery 12 %`); for a field run, the recorded causes."""
+    if run.is_field:
+        return field_text(run)
+    avail = run.config.get("availability", {})
+    if avail.get("kind") != "replay":
+        return model_text(avail)
+    trace = avail.get("trace")
+    src = _recorded_run(trace, run.path) if trace else None
+    if src is None:
+        return f"replay of {Path(trace).name if trace else '?'}"
+    try:
+        rec = load_run(src)
+    except UserError:
+        return f"replay of {src.name}"
+    return f"replay of {rec.availability}"
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
@@ -129,12 +212,15 @@ def _pyplot():
 
 def accuracy_plot(curves: dict[str, tuple[list[float], list[float]]], out: Path, title: str = "",
                   xlabel: str = "model uploads") -> Path:
-    """One line per name: (uploads, accuracy in %)."""
+    """One line per name (the legend's label): (uploads, accuracy in %); whole numbers on the x axis."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, (x, y) in curves.items():
         ax.plot(x, y, label=name, linewidth=1.4)
     ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("test accuracy (%)")
     if title:
         ax.set_title(title)
@@ -208,7 +294,8 @@ def label_colours(labels: list[str]) -> list[str]:
 
 
 def participation_raster(run: Run, out: Path) -> Path:
-    """Clients × rounds image, one colour per status (and reason, for absent clients)."""
+    """Clients × rounds image, one colour per status (and reason, for absent clients); rounds numbered from 1
+    as the progress lines and the final line number them (the logs' `round` column + 1)."""
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
@@ -228,12 +315,12 @@ def participation_raster(run: Run, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(min(14, 4 + rounds / 15), min(10, 2.5 + n / 12)))
     cmap = ListedColormap(colours).with_extremes(bad="white")
     ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=len(labels) - 0.5,
-              origin="lower")
+              origin="lower", extent=(0.5, rounds + 0.5, -0.5, n - 0.5))
     ax.set_xlabel("round")
     ax.set_ylabel("client")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(f"participation: {run.name}")
+    ax.set_title(f"participation: {run.label}")
     ax.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(colours, labels)],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     fig.tight_layout()
@@ -248,23 +335,23 @@ def write_report(runs: list[Run], out_dir: str | Path, progress: bool = False) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
-    files["accuracy"] = accuracy_plot({r.name: run_curve(r) for r in runs}, out / "accuracy_vs_uploads.png",
+    files["accuracy"] = accuracy_plot({r.label: run_curve(r) for r in runs}, out / "accuracy_vs_uploads.png",
                                       "test accuracy against model uploads")
     rasters = []
     for r in bar(runs, desc="rasters", unit="run", enabled=progress and len(runs) > 1):
         if r.participation or r.columnar is not None:
             safe = r.name.replace("/", "_")
             files[f"raster:{r.name}"] = participation_raster(r, out / f"participation-{safe}.png")
-            rasters.append((r.name, f"participation-{safe}.png"))
+            rasters.append((r.label, f"participation-{safe}.png"))
     from coordinator.report.friends import friend_panel
 
     friends = []   # FL-FDMS runs: the friend panel (coordinator/report/friends.py)
     for r in runs:
         safe = r.name.replace("/", "_")
-        panel = friend_panel(r.path, r.name, out / f"friends-{safe}.png")
+        panel = friend_panel(r.path, r.label, out / f"friends-{safe}.png")
         if panel is not None:
             files[f"friends:{r.name}"] = panel[0]
-            friends.append((r.name, panel[0].name, panel[1]))
+            friends.append((r.label, panel[0].name, panel[1]))
     table = comparison_table(runs)
     md = ["# Run comparison", "", table, "![accuracy against uploads](accuracy_vs_uploads.png)", ""]
     for name, png in rasters:

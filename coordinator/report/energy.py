@@ -92,6 +92,7 @@ def energy_report(runs: list[Run], out_dir: str | Path, target_pct: float | None
     if not with_tel:
         return {}, ""
     curves = {r.name: energy_curve(r, tels[r.name]) for r in with_tel}
+    labels = {r.name: r.label for r in with_tel}
     bests = [max(x["accuracy"] for x in c if x["accuracy"] is not None) for c in curves.values()
              if any(x["accuracy"] is not None for x in c)]
     if target_pct is not None:
@@ -117,6 +118,8 @@ def energy_report(runs: list[Run], out_dir: str | Path, target_pct: float | None
     out = Path(out_dir)
     plt = _pyplot()
     files = {}
+    from matplotlib.ticker import MaxNLocator
+
     for key, fname, xk, yk, xlabel, ylabel, title in (
             ("energy_rounds", "energy_per_round.png", "round", "energy_j", "round", "energy (J)",
              "energy per round (all aggregated devices)"),
@@ -125,11 +128,14 @@ def energy_report(runs: list[Run], out_dir: str | Path, target_pct: float | None
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name, c in curves.items():
             pts = [(x[xk], x[yk]) for x in c if x[yk] is not None]
-            ax.plot([p[0] for p in pts], [100 * p[1] if yk == "accuracy" else p[1] for p in pts], marker="o",
-                    markersize=3, linewidth=1.4, label=name)
+            ax.plot([p[0] + 1 if xk == "round" else p[0] for p in pts],  # rounds from 1, as the logs print them
+                    [100 * p[1] if yk == "accuracy" else p[1] for p in pts], marker="o",
+                    markersize=3, linewidth=1.4, label=labels[name])
         if yk == "accuracy" and target is not None:
             ax.axhline(100 * target, color="grey", linestyle="--", linewidth=0.8, label="target")
         ax.set_xlabel(xlabel)
+        if xk == "round":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)

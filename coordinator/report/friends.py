@@ -76,7 +76,7 @@ def friend_panel(run_path: Path, name: str, out: Path) -> tuple[Path, str] | Non
     if sim is not None:
         a = next(ax)
         im = a.imshow(np.array(sim, dtype=float), cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-        a.set_title(f"similarity R after round {rows[-1]['round']}")
+        a.set_title(f"similarity R after round {rows[-1]['round'] + 1}")  # rounds from 1, as the logs print them
         fig.colorbar(im, ax=a, fraction=0.046)
     a = next(ax)
     im = a.imshow(counts, cmap="magma", interpolation="nearest")
@@ -94,10 +94,11 @@ def friend_panel(run_path: Path, name: str, out: Path) -> tuple[Path, str] | Non
     if clustered:
         shares = cluster_share(rows, n)
         a = next(ax)
-        xs = [r["round"] for r, s in zip(rows, shares) if s is not None]
+        xs = [r["round"] + 1 for r, s in zip(rows, shares) if s is not None]
         a.plot(xs, [100 * s for s in shares if s is not None], marker=".", linewidth=1)
         a.set_ylim(-5, 105)
         a.set_xlabel("round")
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
         a.set_ylabel("friend in own cluster (%)")
         a.set_title(f"{N_CLUSTERS} clusters of {n // N_CLUSTERS} consecutive clients")
         a.grid(alpha=0.3)
@@ -107,9 +108,11 @@ def friend_panel(run_path: Path, name: str, out: Path) -> tuple[Path, str] | Non
                         f"the last round with a dropout, {100 * np.mean(got):.1f} % over all such rounds.")
     a = next(ax)
     per_round = [sum(j >= 0 for j in r["friend"]) for r in rows]
-    a.plot([r["round"] for r in rows], per_round, linewidth=1)
+    a.plot([r["round"] + 1 for r in rows], per_round, linewidth=1)
     a.set_xlabel("round")
     a.set_ylabel("substituted clients")
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a.yaxis.set_major_locator(MaxNLocator(integer=True))
     a.set_title("dropped clients substituted per round")
     a.grid(alpha=0.3)
     fig.suptitle(f"FL-FDMS friends: {name}", fontsize=10)

@@ -184,9 +184,12 @@ def markdown(preset: Preset, results: dict) -> str:
 
 def figure(preset: Preset, results: dict, out: Path) -> Path:
     """One panel per setting: each method's mean test-accuracy curve over trials, with a ± std band."""
+    from matplotlib.ticker import MaxNLocator
+
     from coordinator.report.compare import _pyplot
 
     plt = _pyplot()
+    shift = 1 if preset.x_key == "round" else 0   # rounds from 1, as the logs print them
     settings = [st for st in dict.fromkeys(a.setting for a in preset.arms) if st in results["ours"]] or ["(none)"]
     fig, axes = plt.subplots(1, len(settings), figsize=(max(5 * len(settings), 8), 4.2), squeeze=False)
     for ax, st in zip(axes[0], settings):
@@ -197,10 +200,13 @@ def figure(preset: Preset, results: dict, out: Path) -> Path:
                 continue
             ys = np.array([y[:n] for _, y in per])
             mean, sd = ys.mean(0), ys.std(0, ddof=1) if len(ys) > 1 else np.zeros(n)
-            ax.plot(per[0][0][:n], mean, label=m, linewidth=1.3)
-            ax.fill_between(per[0][0][:n], mean - sd, mean + sd, alpha=0.2)
+            xs = [x + shift for x in per[0][0][:n]]
+            ax.plot(xs, mean, label=m, linewidth=1.3)
+            ax.fill_between(xs, mean - sd, mean + sd, alpha=0.2)
         ax.set_title(st)
         ax.set_xlabel(preset.x_key.replace("_", " "))
+        if preset.x_key in ("round", "uploads", "client_uploads"):   # whole numbers (not virtual seconds)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
