@@ -83,6 +83,10 @@ def test_endpoints_serve_the_run_directory(runs, tmp_path, server):
     listed = _get(srv.url + "api/runs")["runs"]
     assert [(r["name"], r["algo"], r["kind"], r["rounds_done"], r["finished"]) for r in listed] == \
         [("fedavg", "fedavg", "sim", 5, True), ("feddd", "feddd", "sim", 5, True)]
+    # what the page prints: rounds from 1 as `dropfl sim` prints them (metrics.jsonl: 0..4), FedDD's panel for FedDD
+    assert [(r["label"], r["progress"], r["last_round"]) for r in listed] == \
+        [("fedavg", "round 5/5", 4), ("feddd", "round 5/5", 4)]
+    assert "dropout" not in listed[0]["panels"] and "dropout" in listed[1]["panels"]
     for i, d in enumerate((fedavg, feddd)):
         assert _get(f"{srv.url}api/runs/{i}/metrics")["rows"] == _lines(d / "metrics.jsonl")
         raster = _get(f"{srv.url}api/runs/{i}/participation")
@@ -204,6 +208,29 @@ def test_device_panel_of_a_field_run(tmp_path):
     assert (b["rounds_trained"], b["last_status"], b["last_reason"], b["last_round"]) == \
         (1, "unavailable", "battery", 1)
     assert b["last_seen"] == pytest.approx((run / "agents" / "client-1" / "trace.csv").stat().st_mtime)
+    summary = data.summary()
+    assert (summary["label"], summary["progress"], summary["finished"]) == ("fedavg (trial)", "no round yet", False)
+    assert summary["panels"] == ["accuracy", "loss", "participation", "devices", "timing", "log"]  # no FedDD panel
+
+
+def test_a_finished_trials_agents_are_gone_not_online(tmp_path):
+    """After the run ended (model.pt), the agent whose last heartbeat said online is shown as gone."""
+    run = _field_run(tmp_path)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"round": t, "accuracy": 0.5}) + "\n" for t in range(2)))
+    (run / "model.pt").write_bytes(b"")
+    data = RunData(run)
+    a, b = data.devices()["rows"]
+    assert (a["connection"], b["connection"]) == ("offline", "gone")
+    summary = data.summary()
+    assert (summary["finished"], summary["progress"]) == (True, "round 2/?")  # config.json plans no rounds here
+
+
+def test_progress_text_and_panels():
+    from coordinator.dashboard.rundata import panels, progress_text
+
+    assert [progress_text(4, 5), progress_text(None, 5), progress_text(0, None)] == \
+        ["round 5/5", "no round yet (of 5)", "round 1/?"]
+    assert "dropout" in panels("feddd") and "dropout" in panels(None) and "dropout" not in panels("fedavg")
 
 
 def test_bad_input_is_one_line(runs, tmp_path, capsys):
@@ -319,8 +346,8 @@ def test_page_in_a_browser_draws_the_run_and_its_new_rounds(runs, tmp_path, serv
 
     acc = chart("accuracy")
     assert int(attr("#chart-accuracy", "data-points")) == n_rounds
-    assert acc[0] == [r["round"] for r in _lines(fedavg / "metrics.jsonl")]
-    assert acc[1:3] == [[r.get("accuracy") for r in _lines(d / "metrics.jsonl")] for d in (fedavg, feddd)]
+    assert acc[0] == [r["round"] + 1 for r in _lines(fedavg / "metrics.jsonl")]  # rounds from 1, as printed
+    assert acc[1:3] == [[100 * r["accuracy"] for r in _lines(d / "metrics.jsonl")] for d in (fedavg, feddd)]  # %
     loss = chart("loss")
     assert loss[1] == [r.get("loss") for r in _lines(fedavg / "metrics.jsonl")]
     assert loss[2] == [r.get("train_loss") for r in _lines(fedavg / "metrics.jsonl")]
@@ -329,23 +356,30 @@ def test_page_in_a_browser_draws_the_run_and_its_new_rounds(runs, tmp_path, serv
     assert int(attr("#chart-timing", "data-points")) == n_rounds
     assert (attr("#raster-0", "data-rounds"), attr("#raster-0", "data-clients")) == (str(n_rounds), "8")
     assert attr("#devices-0", "data-rows") == "8"
+    assert attr("#panel-dropout", "hidden") is None  # a FedDD run among them: FedDD's panel is shown
     device = attr('#devices-2 tr[data-client="1"]', "textContent")  # the field run's device panel
-    assert "client-1" in device and "19.5 %" in device and "unavailable (battery) in round 1" in device
+    assert "client-1" in device and "19.5 %" in device and "unavailable (battery) in round 2" in device  # log: 1
     before = int(attr("body", "data-updates"))
 
     row = _append_round(fedavg / "metrics.jsonl")  # a round arrives: the page redraws with it
     _wait(browser, lambda d: int(d.find_element("id", "chart-accuracy").get_attribute("data-points")) == n_rounds + 1,
           "the appended round was drawn")
     acc = chart("accuracy")
-    assert acc[0][-1] == row["round"] and acc[1][-1] == row["accuracy"] and acc[2][-1] is None
+    assert acc[0][-1] == row["round"] + 1 and acc[1][-1] == 100 * row["accuracy"] and acc[2][-1] is None
     assert int(attr("body", "data-updates")) > before
-    assert row["round"] == n_rounds and f"round {row['round']}" in attr('#runs [data-run="0"]', "textContent")
+    assert row["round"] == n_rounds
+    assert f"round {n_rounds + 1}/{n_rounds}" in attr('#runs [data-run="0"]', "textContent")  # from 1, as printed
 
     if os.environ.get("DROPFL_DASHBOARD_SCREENSHOT"):  # docs/dashboard.md: how docs/img/dashboard.png is made
         browser.save_screenshot(os.environ["DROPFL_DASHBOARD_SCREENSHOT"])
     time.sleep(0.5)  # one more poll, so that an error it raises reaches the log
     errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
     assert errors == [], errors
+
+    browser.get(server([fedavg], poll_s=0.2).url)  # FedAvg alone: no FedDD panel
+    _wait(browser, lambda d: int(d.find_element("tag name", "body").get_attribute("data-updates")) >= 1,
+          "the page drew the FedAvg run")
+    assert attr("#panel-dropout", "hidden") == "true"
 
 
 def test_bad_host_is_one_line():

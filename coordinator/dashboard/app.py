@@ -1,7 +1,8 @@
 """The dashboard's FastAPI app: the page (static/index.html) and JSON endpoints over one or more run
 directories (coordinator/dashboard/rundata.py), numbered in the order given:
 
-    GET /api/runs                     every run's summary: name, kind, progress, `version` (changes when a file grew)
+    GET /api/runs                     every run's summary: name, label, kind, progress, the panels that apply,
+                                      `version` (changes when a file grew)
     GET /api/runs/{i}/metrics         metrics.jsonl rows (accuracy, loss, train_loss, uploads, ...)
     GET /api/runs/{i}/participation   the raster: a status letter per client and round, reasons, counts
     GET /api/runs/{i}/dropout         FedDD's allocated dropout rates (reports.jsonl tasks)

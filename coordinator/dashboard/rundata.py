@@ -22,6 +22,7 @@ from coordinator.reports import TASK_FIELDS
 
 TRACE_NEED = ("device", "t_s")  # of an agent's trace.csv; other columns (edge_client/agent/heartbeat.py) if there
 LOG_RECORDS = 200    # the last records of log.jsonl sent (info and up)
+PANELS = ("accuracy", "loss", "participation", "devices", "dropout", "timing", "log")  # index.html's panels
 RUN_MARKERS = ("config.json", "metrics.jsonl", "participation.csv", columnar.DIR, "checkpoint.pt")
 
 
@@ -41,6 +42,19 @@ def check_run_dirs(paths: list[str]) -> list[Path]:
                             f"directory of a `dropfl sim`, `coordinator` or `trial` run")
         out.append(path)
     return out
+
+
+def progress_text(last_round: int | None, planned: int | None) -> str:
+    """`round 5/5` after metrics.jsonl's round 4 of 5: rounds numbered from 1 wherever a person reads them."""
+    if last_round is None:
+        return f"no round yet (of {planned})" if planned else "no round yet"
+    return f"round {last_round + 1}/{planned if planned else '?'}"
+
+
+def panels(algo: str | None) -> list[str]:
+    """The page's panels that apply to a run of `algo`: FedDD's allocated dropout rates only to FedDD (and to a
+    run whose algorithm is unknown yet: no config.json)."""
+    return [p for p in PANELS if p != "dropout" or algo in (None, "feddd")]
 
 
 class RunData:
@@ -70,22 +84,35 @@ class RunData:
         except (OSError, ValueError):
             return {}
 
+    def kind(self) -> str:
+        return "trial" if (self.path / "trial.json").exists() else \
+            "field" if (self.path / "field.json").exists() else "sim"
+
+    def finished(self) -> bool:
+        return (self.path / "model.pt").exists()
+
     def summary(self) -> dict:
         """Name, kind and progress of the run, and `version`: it changes whenever a file grew (the page
-        fetches the panels only then)."""
+        fetches the panels only then). What the page prints: `label` (the algorithm, then the run, as the
+        report's legends name it), `progress` (`round 5/5`: rounds numbered from 1, as the round loop's
+        progress lines and `dropfl sim`'s final line number them; metrics.jsonl's `round` is 0-based), and
+        `panels`, those that apply to the run (FedDD's dropout rates only to a FedDD run)."""
         with self.lock:
             files = self._files()
             for f in files:
                 f.update()
             cfg = self.config()
-            kind = "trial" if (self.path / "trial.json").exists() else \
-                "field" if (self.path / "field.json").exists() else "sim"
             rounds = [r.get("round") for r in self.metrics.rows]
             version = [f.version() for f in files] + [self.participation.columnar_version()]
-            return {"name": self.path.name, "path": str(self.path.resolve()), "kind": kind,
-                    "algo": cfg.get("strategy", {}).get("algo"), "clients": self._clients(cfg, {}),
-                    "rounds_planned": cfg.get("run", {}).get("rounds"), "rounds_done": len(rounds),
-                    "last_round": rounds[-1] if rounds else None, "finished": (self.path / "model.pt").exists(),
+            algo, planned = cfg.get("strategy", {}).get("algo"), cfg.get("run", {}).get("rounds")
+            last = rounds[-1] if rounds else None
+            name = self.path.name
+            return {"name": name, "path": str(self.path.resolve()), "kind": self.kind(),
+                    "algo": algo, "label": name if algo in (None, name) else f"{algo} ({name})",
+                    "progress": progress_text(last, planned), "panels": panels(algo),
+                    "clients": self._clients(cfg, {}),
+                    "rounds_planned": planned, "rounds_done": len(rounds),
+                    "last_round": last, "finished": self.finished(),
                     "version": version, "problems": [p for f in files for p in f.problems]
                     + self.participation.column_problems_list()}
 
@@ -158,4 +185,9 @@ class RunData:
                 f.update()
             per_round = self.participation.rounds()
             n = self._clients(self.config(), per_round)
-            return device_rows(self, per_round, n, min(n, MAX_CLIENTS)) | {"now": time.time()}
+            out = device_rows(self, per_round, n, min(n, MAX_CLIENTS))
+            if self.kind() != "sim" and self.finished():  # the run ended: its agents' last heartbeat is history
+                for r in out["rows"]:
+                    if r["connection"] == "online":
+                        r["connection"] = "gone"
+            return out | {"now": time.time()}

@@ -1,6 +1,8 @@
 // dropfl dashboard: polls /api/runs, fetches a run's panels when its `version` changed, redraws.
 // Charts: uPlot (vendored, static/uPlot.LICENSE); the participation raster: a canvas drawn here.
 // Every drawn chart carries data-points (its number of rounds) so a test can check it holds the run's rows.
+// What a person reads: rounds numbered from 1 (metrics.jsonl's `round` + 1, as the round loop's progress lines
+// and `dropfl sim`'s final line), accuracy in %.
 "use strict";
 
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
@@ -54,15 +56,15 @@ async function poll() {
 
 function drawHeader() {
   $("runs").innerHTML = state.runs.map((r) => `<span class="run" style="--c:${color(r.id)}" data-run="${r.id}">
-    <b>${esc(r.name)}</b> ${esc(r.kind)} · ${esc(r.algo ?? "?")} · round ${r.last_round ?? "–"}
-    (${r.rounds_done}/${r.rounds_planned ?? "?"}) <span class="${r.finished ? "done" : "live"}">
+    <b>${esc(r.name)}</b> ${esc(r.kind)} · ${esc(r.algo ?? "?")} · ${esc(r.progress)}
+    <span class="${r.finished ? "done" : "live"}">
     ${r.finished ? "finished" : "running"}</span></span>`).join("");
   const problems = state.runs.flatMap((r) => r.problems.map((p) => `${r.name}: ${p}`));
   $("problems").hidden = !problems.length;
   $("problems").textContent = problems.length ? "Lines that could not be read:\n" + problems.join("\n") : "";
 }
 
-// x: the union of the runs' rounds; one y array per (run, key), null where the run has no value
+// x: the union of the runs' rounds, numbered from 1; one y array per (run, key), null where the run has no value
 function aligned(rowsByRun, keys) {
   const xs = [...new Set(rowsByRun.flatMap(([, rows]) => rows.map((r) => r.round)))].sort((a, b) => a - b);
   const at = new Map(xs.map((x, k) => [x, k]));
@@ -72,7 +74,7 @@ function aligned(rowsByRun, keys) {
     for (const r of rows) if (r[key] !== undefined && r[key] !== null) y[at.get(r.round)] = r[key];
     ys.push(y);
   }
-  return [xs, ...ys];
+  return [xs.map((x) => x + 1), ...ys];
 }
 
 function lineChart(id, data, series, yLabel) {
@@ -94,19 +96,22 @@ function runsWith(panel) {
 }
 
 function redraw() {
+  $("panel-dropout").hidden = !state.runs.some((r) => r.panels.includes("dropout"));  // FedDD's only
   const metrics = runsWith("metrics").map(([r, m]) => [r, m.rows]);
-  lineChart("chart-accuracy", aligned(metrics, ["accuracy"]),
-            metrics.map(([r]) => ({ label: r.name, stroke: color(r.id) })), "accuracy");
+  const pct = metrics.map(([r, rows]) => [r, rows.map((x) => ({ round: x.round,
+    accuracy: x.accuracy == null ? null : 100 * x.accuracy }))]);
+  lineChart("chart-accuracy", aligned(pct, ["accuracy"]),
+            metrics.map(([r]) => ({ label: r.label, stroke: color(r.id) })), "accuracy (%)");
   lineChart("chart-loss", aligned(metrics, ["loss", "train_loss"]), metrics.flatMap(([r]) => [
-    { label: `${r.name} test`, stroke: color(r.id) },
-    { label: `${r.name} train`, stroke: color(r.id), dash: [6, 4], width: 1.5 }]), "loss");
+    { label: `${r.label} test`, stroke: color(r.id) },
+    { label: `${r.label} train`, stroke: color(r.id), dash: [6, 4], width: 1.5 }]), "loss");
   const dropout = runsWith("dropout").filter(([, d]) => d.rounds.length);
   const drows = dropout.map(([r, d]) => [r, d.rounds.map((t, k) => ({ round: t, min: d.min[k], mean: d.mean[k], max: d.max[k] }))]);
   lineChart("chart-dropout", aligned(drows, ["min", "mean", "max"]), drows.flatMap(([r]) => [
-    { label: `${r.name} min`, stroke: color(r.id), dash: [2, 3], width: 1 },
-    { label: `${r.name} mean`, stroke: color(r.id) },
-    { label: `${r.name} max`, stroke: color(r.id), dash: [2, 3], width: 1 }]), "dropout rate");
-  $("dropout-note").textContent = dropout.length ? "" : "No dropout rates: none of these runs is FedDD (reports.jsonl tasks).";
+    { label: `${r.label} min`, stroke: color(r.id), dash: [2, 3], width: 1 },
+    { label: `${r.label} mean`, stroke: color(r.id) },
+    { label: `${r.label} max`, stroke: color(r.id), dash: [2, 3], width: 1 }]), "dropout rate");
+  $("dropout-note").textContent = dropout.length ? "" : "No dropout rates yet (reports.jsonl tasks).";
   const timing = runsWith("timing").map(([r, t]) => [r, t.rounds.map((x, k) => {
     const f = t.field.rounds.indexOf(x);
     return { round: x, seconds: t.seconds[k], slowest: f < 0 ? null : t.field.slowest_participant_s[f],
@@ -119,7 +124,7 @@ function redraw() {
   timing.forEach(([r], i) => tkeys.forEach((k, j) => {
     if (j && !fieldRuns.has(r.id)) return;
     tcols.push(1 + i * tkeys.length + j);
-    tseries.push({ label: `${r.name} ${k === "seconds" ? "round" : k}`, stroke: color(r.id), dash: j ? [4, 3] : undefined });
+    tseries.push({ label: `${r.label} ${k === "seconds" ? "round" : k}`, stroke: color(r.id), dash: j ? [4, 3] : undefined });
   }));
   lineChart("chart-timing", tcols.map((c) => tdata[c]), tseries, "seconds");
   drawRasters();
@@ -171,7 +176,7 @@ function drawRasters() {
       const c = Math.floor((e.clientY - b.top) * canvas.height / b.height / ch);
       if (k < 0 || k >= p.rounds.length || c < 0 || c >= p.shown) return hideTip();
       const code = p.status[k][c], why = p.reasons[k][c];
-      showTip(e, `round ${p.rounds[k]}, client ${c}: ${STATUS[code][0]}${why ? " (" + why + ")" : ""}`);
+      showTip(e, `round ${p.rounds[k] + 1}, client ${c}: ${STATUS[code][0]}${why ? " (" + why + ")" : ""}`);
     };
     canvas.onmouseleave = hideTip;
   }
@@ -203,7 +208,7 @@ function drawDevices() {
       <td>${x.temp_c == null ? "—" : x.temp_c.toFixed(1) + " °C"}</td><td>${x.cpu_pct == null ? "—" : x.cpu_pct.toFixed(0) + " %"}</td>
       <td>${x.energy_j == null ? "—" : fmt(x.energy_j) + " J" + (x.energy_source === "modelled" ? " (modelled)" : "")}</td>
       <td class="l state-${esc(x.last_status)}">${x.last_status == null ? "—" : esc(x.last_status) +
-        (x.last_reason ? " (" + esc(x.last_reason) + ")" : "") + " in round " + x.last_round}</td>
+        (x.last_reason ? " (" + esc(x.last_reason) + ")" : "") + " in round " + (x.last_round + 1)}</td>
       <td class="l sub">${esc(x.sources.join(", "))}</td></tr>`).join("");
     return `<details class="devices-run" id="devices-${r.id}" data-rows="${d.rows.length}" ${field ? "open" : ""}>
       <summary><b style="color:${color(r.id)}">${esc(r.name)}</b> <span class="sub">${d.clients} clients${
