@@ -66,7 +66,7 @@ def test_report_draws_the_friend_panel(fdms_run, tmp_path, capsys):
     png = tmp_path / "rep" / f"friends-{out.name}.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
     md = (tmp_path / "rep" / "comparison.md").read_text()
-    assert f"## FL-FDMS friends: {out.name}" in md and "in their own cluster" in md
+    assert f"## FL-FDMS friends: fdms ({out.name})" in md and "in their own cluster" in md  # algorithm (run)
     assert "friends-" in capsys.readouterr().out
 
 
