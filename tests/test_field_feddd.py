@@ -108,10 +108,14 @@ def test_feddd_uploads_are_smaller_on_the_wire(trials):
     avg0, avg1 = counter.bytes[("test-fedavg", 0)], counter.bytes[("test-fedavg", 1)]
     dd0, dd1 = counter.bytes[("test-feddd", 0)], counter.bytes[("test-feddd", 1)]
     dense = feddd.dense_nbytes(feddd.unit_layout(build_model("logreg", (1, 28, 28), 10, SEED)))
-    for avg in (avg0, avg1):  # three dense float32 updates plus their frame headers (a few hundred bytes)
-        assert N * dense < avg < N * dense * 1.05
+    # three dense float32 updates plus their frames' headers: an update travels in chunks of at least 4 KiB
+    # (edge_client/agent/work.py: the first upload in first_chunk_bytes, later ones sized to the measured
+    # uplink), each with a header of well under 1 kB
+    for avg in (avg0, avg1):
+        assert N * dense < avg < N * (dense + (-(-dense // 4096) + 1) * 1000)
     # round 0: D = 0 for everyone (Algorithm 1), the sparse payload carries all values plus its bitmap
-    assert abs(dd0 - avg0) < 0.05 * avg0
+    # (every value travels: more than the dense bytes, and not more than 5 % over FedAvg's frames)
+    assert N * dense < dd0 < 1.05 * avg0
     # round 1: the allocation's A_server = 0.6 budget, i.e. ~60 % of the values (+ headers) travel
     assert dd1 < 0.75 * avg1
     assert dd0 + dd1 < 0.9 * (avg0 + avg1)
