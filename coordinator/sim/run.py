@@ -40,7 +40,7 @@ def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = Tru
     transport = SimTransport(run.model, run.client_data, "batched" if engine == "ray" else engine, profile,
                              run.ds.num_classes,
                              feddd=run.strategy.sets_dropout_rate, store=run.strategy.store,
-                             make_engine=make_engine)
+                             make_engine=make_engine, device=cfg.train.device)
     try:
         evaluate, how = evaluator(run, engine)
         if wrap_evaluate is not None:

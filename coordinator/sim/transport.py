@@ -33,8 +33,9 @@ class SimTransport:
 
     def __init__(self, model: torch.nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  engine: str = "batched", profile: Profile | None = None, num_classes: int | None = None,
-                 feddd: bool = False, store: StateStore | None = None, make_engine=None):
+                 feddd: bool = False, store: StateStore | None = None, make_engine=None, device: str = "auto"):
         # make_engine(model, client_data): the batched engine (default: BatchedEngine); a lockstep sweep
+        # `device`: --sim-device, where the generic engine trains a model the batched engine has no forward for
         # (coordinator/sim/lockstep.py) hands each run a proxy that trains its tasks with the other runs'
         if engine not in ("batched", "loop"):
             raise ValueError(f"engine {engine!r}: batched or loop")
@@ -57,9 +58,8 @@ class SimTransport:
                     self.batched = (make_engine or BatchedEngine)(model, client_data)
                 except TypeError:  # no hand-written batched forward: the generic engine (torch.func)
                     from coordinator.sim.functional import FunctionalEngine
-                    try:   # on the device --sim-device asked the batched engine for (run_sim's factory)
-                        self.batched = FunctionalEngine(model, client_data, getattr(make_engine, "keywords", {})
-                                                        .get("device", "auto"))
+                    try:
+                        self.batched = FunctionalEngine(model, client_data, device)
                     except TypeError as e:  # torch.func cannot run it either: the loop, said once
                         self.loop_reason = f"no batched forward for {type(model).__name__}"
                         log.warning("%s; its clients train on the reference loop", e)
@@ -105,7 +105,7 @@ class SimTransport:
         the deltas out (u.delta = None), so the round's deltas are not all held at once. The updates come
         back in task order either way."""
         updates, done = {}, {}
-        self.paths: set[str] = set()
+        self.paths = set()
         if self.batched is not None:  # FedDD tasks stay on the loop
             plain = [task for task in tasks if task.dropout_rate is None]
             # slice by slice where the engine can (a lockstep sweep's proxy cannot: one part)
@@ -141,12 +141,11 @@ class SimTransport:
         """The native parts that trained `results` (`LocalResult.path`), and each fallback's reason, logged once per
         run as a warning: the engine's name says what ran, and why a faster part did not."""
         for r in results:
-            if getattr(r, "path", None):
+            if r.path:
                 self.paths.add(r.path)
-            reason = getattr(r, "fallback", None)
-            if reason and reason not in self.warned:
-                self.warned.add(reason)
-                log.warning("engine: %s", reason)
+            if r.fallback and r.fallback not in self.warned:
+                self.warned.add(r.fallback)
+                log.warning("engine: %s", r.fallback)
 
     def _batched_name(self) -> str:
         """The batched engine's name with the native parts that ran this round: "batched+native(avx512:
