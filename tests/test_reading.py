@@ -3,37 +3,15 @@ in %, rounds are numbered from 1 wherever a person reads them (metrics.jsonl and
 0-based `round`), integer axes have integer ticks, and the availability column says what a replay replays and
 why a field run's clients were missing. The dashboard's part is in tests/test_dashboard.py."""
 
-import csv
 import json
 from types import SimpleNamespace
 
 import pytest
+from rundirs import N, P, make_run
 
 from coordinator import cli
 from coordinator.report.compare import comparison_table, load_runs, write_report
 
-
-def make_run(path, algo, accs, statuses, availability=None, files=()):
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"strategy": {"algo": algo},
-                                                  "availability": availability or {"kind": "bounded"}}))
-    with open(path / "metrics.jsonl", "w") as f:
-        for t, a in enumerate(accs):
-            part = sum(s == "participated" for s, _ in statuses[t])
-            f.write(json.dumps({"round": t, "uploads": t + 1, "client_uploads": 2 * (t + 1), "participants": part,
-                                "accuracy": a}) + "\n")
-    with open(path / "participation.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["round", "client", "status", "reason"])
-        for t, row in enumerate(statuses):
-            for c, (status, reason) in enumerate(row):
-                w.writerow([t, c, status, reason])
-    for name in files:
-        (path / name).write_text("{}")
-    return path
-
-
-P, N = ("participated", ""), ("not_selected", "")
 B, O, D = ("unavailable", "battery"), ("unavailable", "offline"), ("dropped", "deadline")
 
 

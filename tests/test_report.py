@@ -1,39 +1,21 @@
 """dropfl report: table numbers, participation codes and the PNGs, from hand-written run directories."""
 
-import csv
-import json
 
 import numpy as np
 import pytest
+from rundirs import N, P, make_run
 
 from coordinator import cli
 from coordinator.errors import UserError
 from coordinator.report.compare import comparison_table, load_runs, raster_codes, summary
 
-
-def make_run(path, algo, accs, participants, statuses):
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"strategy": {"algo": algo}, "availability": {"kind": "bounded"}}))
-    with open(path / "metrics.jsonl", "w") as f:
-        for t, (a, p) in enumerate(zip(accs, participants)):
-            f.write(json.dumps({"round": t, "uploads": t + 1, "client_uploads": sum(participants[:t + 1]),
-                                "participants": p, "accuracy": a}) + "\n")
-    with open(path / "participation.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["round", "client", "status", "reason"])
-        for t, row in enumerate(statuses):
-            for c, (status, reason) in enumerate(row):
-                w.writerow([t, c, status, reason])
-    return path
-
-
-P, N, U, D = ("participated", ""), ("not_selected", ""), ("unavailable", "battery"), ("dropped", "deadline")
+U, D = ("unavailable", "battery"), ("dropped", "deadline")
 
 
 @pytest.fixture
 def two_runs(tmp_path):
-    a = make_run(tmp_path / "a", "mimic", [0.5, None, 0.7], [3, 1, 2], [[P, P, P], [P, U, D], [P, N, P]])
-    b = make_run(tmp_path / "b", "fedavg", [0.4, 0.6, 0.55], [3, 2, 2], [[P, P, P], [P, P, U], [U, P, P]])
+    a = make_run(tmp_path / "a", "mimic", [0.5, None, 0.7], [[P, P, P], [P, U, D], [P, N, P]])
+    b = make_run(tmp_path / "b", "fedavg", [0.4, 0.6, 0.55], [[P, P, P], [P, P, U], [U, P, P]])
     return [str(a), str(b)]
 
 
@@ -74,8 +56,8 @@ def test_report_rejects_a_directory_that_is_not_a_run(tmp_path):
 def test_same_base_names_are_disambiguated(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
-    a = make_run(tmp_path / "x" / "run", "mifa", [0.1], [1], [[P]])
-    b = make_run(tmp_path / "y" / "run", "mifa", [0.2], [1], [[P]])
+    a = make_run(tmp_path / "x" / "run", "mifa", [0.1], [[P]])
+    b = make_run(tmp_path / "y" / "run", "mifa", [0.2], [[P]])
     assert [r.name for r in load_runs([str(a), str(b)])] == ["x/run", "y/run"]
     assert np.array_equal(raster_codes(load_runs([str(a)])[0])[0], [[0]])
 
