@@ -60,6 +60,7 @@ def test_other_failures_are_still_raised_with_diverged_ok(tmp_path) -> None:
         run_sweep([Job(cfg, tmp_path / "x")], executor="serial", progress=False, diverged_ok=True)
 
 
+@pytest.mark.slow
 def test_a_reproduction_counts_a_diverged_trial_and_does_not_rerun_it(tmp_path) -> None:
     """Trial 1 of one arm diverges: its cell's mean is over the other trials, the table says so, and a second
     invocation skips the diverged run instead of running it again."""
