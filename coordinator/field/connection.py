@@ -2,11 +2,14 @@
 
 Owns `FieldConfig` (broker URLs, credentials, deadlines, limits) and the connection to the broker: the
 paho client, TLS against the broker's CA (one CA for every URL), the retained `coordinator/status` and
-its last will, reconnection (paho's, with a short backoff) with failover over the URL list (on a
-disconnect or a failed connect paho is pointed at the next URL: `edge_client.agent.config.Brokers`),
+its last will, reconnection (paho's, its delays and client id set by `edge_client.agent.reconnect.Reconnect`:
+backoff with jitter, a fresh client id after a connection dropped before its subscription was answered) with
+failover over the URL list (on a disconnect or a failed connect paho is pointed at the next URL:
+`edge_client.agent.config.Brokers`),
 the announce request (on every connect a non-retained `online` frame with `announce`, to which every
 agent answers with its status: retained statuses are an optimisation, never needed), `connects`
-(counts every successful (re)connect so the round in progress can re-send what is outstanding),
+(counts every (re)connect whose subscription the broker answered, so the round in progress can re-send
+what is outstanding),
 start/stop, and publishing. Incoming messages are parsed from their
 topic here and handed, under the hub's lock `cond`, to `_dispatch` (coordinator/field/hub.py).
 """
@@ -26,6 +29,7 @@ from coordinator.errors import UserError
 from coordinator.field.outage import PROBE_EVERY_S, Outage
 from edge_client import wire
 from edge_client.agent.config import TOPIC_ROOT, AgentError, Brokers
+from edge_client.agent.reconnect import Reconnect
 
 log = logging.getLogger("dropfl.coordinator")
 
@@ -70,6 +74,7 @@ class Connection(Outage):
         client_id = f"dropfl-coordinator-{uuid.uuid4().hex[:8]}"
         self.probe_topic = f"{TOPIC_ROOT}/coordinator/probe/{client_id}"  # to ourselves (outage.py `_silence`)
         self._probing = threading.Event()
+        self.reconnect = Reconnect(client_id)  # backoff with jitter, a fresh id after a refusal (the docstring)
         self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True)
         self.mqtt.username_pw_set(cfg.username, cfg.password)
         if self.brokers.tls:
@@ -77,10 +82,11 @@ class Connection(Outage):
                 raise UserError("--broker mqtts://...: the broker's CA certificate is needed (--broker-config)")
             self.mqtt.tls_set(ca_certs=cfg.ca_file)
         self.mqtt.will_set(f"{TOPIC_ROOT}/coordinator/status", self._status("offline"), qos=1, retain=True)
-        self.mqtt.reconnect_delay_set(min_delay=0.2, max_delay=2)
+        self.mqtt.reconnect_delay_set(min_delay=0.2, max_delay=0.2)  # the first retry; then reconnect.py decides
         self.mqtt.max_inflight_messages_set(1000)
         self.mqtt.on_connect, self.mqtt.on_message = self._on_connect, self._on_message
         self.mqtt.on_disconnect, self.mqtt.on_connect_fail = self._on_disconnect, self._on_connect_fail
+        self.mqtt.on_subscribe = self._on_subscribe
 
     def _status(self, state: str, announce: bool = False) -> bytes:
         meta = {"state": state, "n_clients": self.n} | ({"announce": True} if announce else {})
@@ -126,14 +132,22 @@ class Connection(Outage):
             log.warning("broker refused the connection: %s", reason_code)
             return
         dev = f"{TOPIC_ROOT}/device/+"  # clean session: subscribe on every connect
-        client.subscribe([(f"{dev}/status", 1), (f"{dev}/heartbeat", 0), (f"{dev}/update/#", 1),
-                          (self.probe_topic, 0)])
+        _, mid = client.subscribe([(f"{dev}/status", 1), (f"{dev}/heartbeat", 0), (f"{dev}/update/#", 1),
+                                   (self.probe_topic, 0)])
+        self.reconnect.on_connect(mid)
         status = f"{TOPIC_ROOT}/coordinator/status"
         client.publish(status, self._status("online"), qos=1, retain=True)  # for late subscribers (mosquitto)
         # the announce request: agents answer with their status; after the subscribe on this connection,
         # so their answers reach us. Needed where retained statuses do not reach `device/+/status` (RabbitMQ)
         client.publish(status, self._status("online", announce=True), qos=1)
         log.info("connected to the broker %s", self.brokers.url)
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        """The broker answered the subscription sent on connect: the connection is usable. Only now does a
+        broker outage end and the round in progress re-send (a RabbitMQ node may accept a CONNACK and then drop
+        the connection at the subscription: edge_client/agent/reconnect.py)."""
+        if not self.reconnect.on_subscribe(mid):
+            return
         with self.cond:
             self.connects += 1
             self.last_contact = time.monotonic()
@@ -147,11 +161,15 @@ class Connection(Outage):
             self._outage_began()
             self.silent = False  # from now on unreachable, whatever began the outage
         url = self.brokers.rotate(client)
-        if reason_code.is_failure:
-            log.warning("disconnected from the broker (%s); reconnecting to %s", reason_code, url)
+        fresh = self.reconnect.on_lost(client)
+        if reason_code.is_failure or fresh:
+            log.warning("disconnected from the broker (%s); reconnecting to %s%s", reason_code, url,
+                        f" as {fresh} (the broker dropped the connection before answering its subscription)"
+                        if fresh else "")
 
     def _on_connect_fail(self, client, userdata) -> None:
         failed, url = self.brokers.url, self.brokers.rotate(client)
+        self.reconnect.on_lost(client)
         log.warning("could not connect to the broker %s; trying %s", failed, url)
 
     def _on_message(self, client, userdata, msg) -> None:

@@ -2,7 +2,8 @@
 
 Owns `AgentInfo` and the registry (`agents` by device id, `by_client` by client index): an agent's
 status (online/offline, its announce; sent on every connect and in answer to the coordinator's announce
-request, retained only as an optimisation), its heartbeats, and whether its data binding matches
+request, retained only as an optimisation; a rejoin only when it names a connection other than the one held
+online, its `session`), its heartbeats, and whether its data binding matches
 the coordinator's (`edge_client.federation.diff`; an agent that differs is never selected). Liveness
 queries (`is_online`, `client_status`, `online_count`, `wait_for_agents`, `device_of`) are asked by the
 loop's thread under the hub's lock `cond`. `FieldAvailability` answers the loop's
@@ -40,6 +41,7 @@ class AgentInfo:
     heartbeat: dict = field(default_factory=dict)
     announce: dict = field(default_factory=dict)
     mismatch: str | None = None       # data binding differs from the coordinator's: never selected
+    session: str | None = None        # the agent's process and connection its latest online status named
 
 
 class Registry:
@@ -100,9 +102,15 @@ class Registry:
             if a.mismatch:
                 log.warning("device %s will not be selected: %s", device, a.mismatch)
             # an agent's answer to our announce request (`reply`) while we hold it online is no rejoin:
-            # nothing of the round was lost on its side, so nothing is re-sent (a (re)connect is one)
-            if not (meta.get("reply") is True and a.online):
+            # nothing of the round was lost on its side, so nothing is re-sent (a (re)connect is one). Nor is
+            # an online status of the connection we already hold online (`session`: one a broker re-delivered,
+            # retained or backlogged), so a burst of old statuses re-sends nothing
+            session = meta.get("session")
+            repeat = a.online and session is not None and session == a.session
+            if not (meta.get("reply") is True and a.online) and not repeat:
                 self._agent_online(a.client)
+            if session is not None:
+                a.session = session
             a.online = True
             a.last_heartbeat = a.last_seen = time.monotonic()
         else:

@@ -3,7 +3,8 @@
 Owns the paho client: its creation (username/password, TLS against ca_file for mqtts://, the
 retained "offline" last will, reconnect delays), failover over the broker list (`self.brokers`:
 on_disconnect and on_connect_fail point paho at the next URL, paho's reconnect loop backs off and
-connects there), the status frame (device facts and data binding), the callbacks of paho's network
+connects there; reconnect.py: backoff with jitter, a fresh client id after a connection dropped before its
+subscription was acknowledged), the status frame (device facts and data binding), the callbacks of paho's network
 thread (on_connect subscribes and announces "online", on_disconnect, on_message queues into
 `self.inbox`, and answers the coordinator's announce request at once), and publishing: `_publish` for small messages and
 `_send_update` for an update's chunks (at most `upload_window` unacknowledged at once, so heartbeats
@@ -32,6 +33,7 @@ from paho.mqtt import client as mqtt
 
 from edge_client import wire
 from edge_client.agent.config import TOPIC_ROOT, AgentError, log, who
+from edge_client.agent.reconnect import Reconnect
 from edge_client.monitor import device_facts
 from edge_client.telemetry import RoundRecord
 
@@ -41,22 +43,25 @@ ACK_SLICE_S = 0.05  # a PUBACK wait wakes this often to see whether a newer roun
 class Link:
     # --- the client (paho's network thread runs the callbacks) ---
     def _make_client(self) -> mqtt.Client:
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dropfl-{self.id}", clean_session=True)
+        self.reconnect = Reconnect(f"dropfl-{self.id}")  # backoff with jitter, a fresh id after a refusal
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.reconnect.client_id, clean_session=True)
         c.username_pw_set(self.id, self.cfg.agent.password)
         if self.brokers.tls:  # one CA for every URL of the list; each server's host name is checked
             if not self.cfg.agent.ca_file:
                 raise AgentError("broker mqtts://...: set ca_file (the broker's CA certificate)")
             c.tls_set(ca_certs=self.cfg.agent.ca_file)
         c.will_set(f"{self.base}/status", self._status_frame("offline"), qos=1, retain=True)
-        c.reconnect_delay_set(min_delay=0.2, max_delay=2)  # paho's backoff between attempts (doubles, reset on connect)
+        c.reconnect_delay_set(min_delay=0.2, max_delay=0.2)  # the first retry; then reconnect.py decides
         c.max_inflight_messages_set(100)
         c.on_connect, c.on_disconnect, c.on_message = self._on_connect, self._on_disconnect, self._on_message
-        c.on_connect_fail = self._on_connect_fail
+        c.on_connect_fail, c.on_subscribe = self._on_connect_fail, self._on_subscribe
         return c
 
     def _status_frame(self, state: str, reply: bool = False) -> bytes:
         """`reply`: an announce answering the coordinator's request, not a (re)connect (docs/protocol.md)."""
-        meta: dict = {"state": state, "device": self.id}
+        # `session`: this process and connection (a status repeated or delivered late names an old one: no
+        # rejoin, coordinator/field/registry.py)
+        meta: dict = {"state": state, "device": self.id, "session": f"{self.reconnect.token}:{self.reconnect.sessions}"}
         if state == "online":
             meta |= device_facts() | self.binding.to_meta() | {"num_samples": len(self.y)}
             if reply:
@@ -74,20 +79,28 @@ class Link:
             log.error(f"broker refused the connection: {reason_code}", extra=who(self.id))
             return
         # clean session: subscribe on every connect, whichever broker of the list this is
-        client.subscribe([(f"{self.base}/control", 1), (f"{TOPIC_ROOT}/model/#", 1),
-                          (f"{TOPIC_ROOT}/coordinator/status", 1)])
+        _, mid = client.subscribe([(f"{self.base}/control", 1), (f"{TOPIC_ROOT}/model/#", 1),
+                                   (f"{TOPIC_ROOT}/coordinator/status", 1)])
+        self.reconnect.on_connect(mid)
         log.info(f"connected to {self.brokers.url}", extra=who(self.id))
         self.connected.set()
         self._announce(client)
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        self.reconnect.on_subscribe(mid)  # a healthy connection: the backoff starts over (reconnect.py)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
         if not self.stopping.is_set():
             url = self.brokers.rotate(client)
-            log.warning(f"disconnected from the broker ({reason_code}); reconnecting to {url}", extra=who(self.id))
+            fresh = self.reconnect.on_lost(client)
+            log.warning(f"disconnected from the broker ({reason_code}); reconnecting to {url}"
+                        + (f" as {fresh} (the broker dropped the connection before acknowledging its "
+                           f"subscription)" if fresh else ""), extra=who(self.id))
 
     def _on_connect_fail(self, client, userdata) -> None:
         failed, url = self.brokers.url, self.brokers.rotate(client)
+        self.reconnect.on_lost(client)
         log.warning(f"could not connect to {failed}; trying {url}", extra=who(self.id))
 
     def _on_message(self, client, userdata, msg) -> None:
@@ -213,6 +226,10 @@ class Link:
             return
         upload_s = time.perf_counter() - start
         nbytes = sum(len(f) for f in frames)
+        # every chunk acknowledged by the broker: the agent's own record of a sent update (tests/faultkit.py
+        # counts these against what the coordinator aggregated)
+        log.info(f"round {rnd}: update sent, {len(frames)} chunks ({nbytes} bytes) acknowledged, run {run}",
+                 extra=who(self.id))
         self.rates["uplink_Bps"] = nbytes / upload_s if upload_s > 0 else None
         meta = {"upload_s": upload_s, "upload_bytes": nbytes, "uplink_Bps": self.rates["uplink_Bps"]}
         if record is not None:
