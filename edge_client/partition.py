@@ -12,6 +12,8 @@
                      5 + N(0, 1) clamped to [3, 7] and normalised (roughly Normal sizes).
 - `dirichlet`        per class, proportions ~ Dir(alpha) over clients.
 - `iid`              uniform random equal split.
+- `natural`          the dataset's own clients: each writer (a LEAF user) is one client, no draw; `--clients` must
+                     equal the number of writers.
 """
 
 from __future__ import annotations
@@ -187,18 +189,42 @@ def fdms_clustered_80_20(labels: np.ndarray, n_clients: int, seed: int) -> list[
     return fdms_clustered(labels, n_clients, seed, train_fraction=0.8)
 
 
+def natural(labels: np.ndarray, n_clients: int, seed: int, owners: np.ndarray | None = None) -> list[np.ndarray]:
+    """The dataset's own per-writer partition (LEAF: one user, one client): client c holds the rows whose owner is c,
+    in row order. `owners` comes from the dataset (`Split.owner`, a map-style split's `owners`); rows owned by -1
+    are no client's. The seed is not used: there is nothing to draw."""
+    if owners is None:
+        raise PartitionError("--partition natural: this dataset has no writers of its own (leaf has; a plugin's "
+                             "splits may give owners): choose another --partition")
+    owners = np.asarray(owners, dtype=np.int64)
+    if len(owners) != len(labels):
+        raise PartitionError(f"--partition natural: {len(owners)} owners for {len(labels)} rows")
+    n_users = int(owners.max()) + 1 if owners.size else 0
+    if n_clients != n_users:
+        raise PartitionError(f"--clients {n_clients}: the dataset has {n_users} writers and --partition natural "
+                             f"makes each one a client: pass --clients {n_users}")
+    out = [np.flatnonzero(owners == c) for c in range(n_users)]
+    empty = [c for c, rows in enumerate(out) if not len(rows)]
+    if empty:
+        raise PartitionError(f"--partition natural: writer {empty[0]} has no rows")
+    return out
+
+
 def _is_partitioner(obj) -> str | None:
     return None if callable(obj) else "a callable (labels, n_clients, seed, **options) -> list of index arrays"
 
 
 # The partitioners by --partition name (edge_client/registry.py): called as f(labels, n_clients, seed, **options),
 # returning each client's sample indices (options: edge_client/federation.py partition_kwargs, none for a plugin);
-# a plugin (entry point group dropfl.partitioners, or module:attr) is the same.
-PARTITIONERS = Registry("partitioner", "dropfl.partitioners", check=_is_partitioner)
+# a plugin (entry point group dropfl.partitioners, or module:attr) is the same. Its fact:
+#   uses_owners  it is called with owners= (each training row's writer, None where the dataset has none), and the
+#                test split is shared out by the test rows' owners too (edge_client/federation.py)
+PARTITIONERS = Registry("partitioner", "dropfl.partitioners", check=_is_partitioner, meta={"uses_owners": False})
 for _name, _f in {"iid": iid, "shards": shards, "shards-distinct": shards_distinct, "fdms-clustered": fdms_clustered,
                   "fdms-clustered-80-20": fdms_clustered_80_20, "fdms-general": fdms_general, "one-label": one_label,
                   "dirichlet": dirichlet}.items():
     PARTITIONERS.register(_name, _f)
+PARTITIONERS.register("natural", natural, uses_owners=True)
 
 
 def partition(name: str, labels: np.ndarray, n_clients: int, seed: int, **kw) -> list[np.ndarray]:

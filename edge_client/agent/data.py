@@ -22,7 +22,7 @@ def binding_of(cfg: AgentConfig, ds: datasets.Dataset | datasets.Labels | None =
     """This agent's data binding (edge_client/federation.py): its [data] and [model] sections."""
     sections = {"data": cfg.data, "model": cfg.model, "run": cfg.data}  # the agent keeps the seed under [data]
     if isinstance(ds, datasets.Labels):
-        return federation.from_sections(sections, federation.label_digest(ds.train_y))
+        return federation.from_sections(sections, federation.label_digest(ds))
     return federation.from_sections(sections, federation.label_digest(ds) if ds is not None else "")
 
 
@@ -30,7 +30,7 @@ def binding_of(cfg: AgentConfig, ds: datasets.Dataset | datasets.Labels | None =
 def _federation(binding: federation.DataBinding, data_dir: str | None):
     """Labels, train partition and test partition (cached: several agents may share a process)."""
     labels = datasets.load_labels(binding.dataset, data_dir)
-    return labels, federation.client_shards(labels.train_y, binding), federation.test_shards(labels.test_y, binding)
+    return labels, federation.client_shards(labels, binding), federation.test_shards(labels, binding)
 
 
 def load_shard(cfg: AgentConfig) -> tuple[datasets.Labels, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
