@@ -34,7 +34,7 @@ def _refused(tmp_path, capsys, *args) -> str:
     ("run.toml", '[train]\nlr = "0.1"\n', 'train.lr must be a finite number > 0 (got "0.1" in {f})'),
     ("run.toml", "[availability]\nfirst_round_all = 1\n",
      "availability.first_round_all must be true or false (got 1 in {f})"),
-    ("run.toml", "[data]\ndataset = 5\n", "data.dataset must be one of: fmnist, mnist, cifar10 (got 5 in {f})"),
+    ("run.toml", "[data]\ndataset = 5\n", "data.dataset must be one of: fmnist, mnist, cifar10, npz, imagefolder, leaf (got 5 in {f})"),
     ("run.toml", '[strategy]\nalgo = "nope"\n', 'strategy.algo must be one of: fedavg, '),
     ("run.toml", "[data]\nclinets = 3\n", "unknown key data.clinets in {f} (did you mean data.clients?)"),
     ("run.json", '{"run": {"seed": 99999999999}}',

@@ -126,7 +126,7 @@ def plugin(tmp_path, monkeypatch):
 def test_builtins_resolve_in_their_order_and_are_built_in():
     assert list(STRATEGIES)[:3] == ["fedavg", "full", "fedprox"] and STRATEGIES["fedavg"] is FedAvg
     assert models.MODELS.registered() == ["mimic-cnn", "fdms-cnn", "cifar-lenet", "vgg11", "mlp", "logreg"]
-    assert datasets.DATASETS.registered() == ["fmnist", "mnist", "cifar10"]
+    assert datasets.DATASETS.registered() == ["fmnist", "mnist", "cifar10", "npz", "imagefolder", "leaf"]
     assert "dirichlet" in partition.PARTITIONERS.registered()
     assert AVAILABILITY.registered() == ["always", "bounded", "static", "timevarying", "diurnal", "cluster-dropout",
                                          "replay", "device-trace"]
