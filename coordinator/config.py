@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from coordinator.errors import UserError
@@ -63,12 +65,33 @@ def max_seed(rounds: int, clients: int) -> int:
 
 
 def opt(default, help: str, choices=None, flag: str | None = None, *, minimum=None, maximum=None, gt=None,
-        lt=None, repeat: bool = False):
+        lt=None, repeat: bool = False, applies: tuple[str, ...] | None = None):
     """A config field: its `--help` text, choices, flag name (default --field-name) and range
     (`minimum`/`maximum` inclusive, `gt`/`lt` exclusive), checked by `check_value` for file and flag values.
-    `repeat`: a comma-separated list whose flag may also be given several times (the values are joined)."""
+    `repeat`: a comma-separated list whose flag may also be given several times (the values are joined).
+    `applies`: the built-in strategies (a StrategyConfig field) or availability models (an AvailabilityConfig
+    field) the option does something for; the help starts with them, and setting the option for another one is
+    a warning (`inert_settings`)."""
+    if applies:
+        help = f"{', '.join(applies)}: {help}"
     return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "minimum": minimum,
-                                            "maximum": maximum, "gt": gt, "lt": lt, "repeat": repeat})
+                                            "maximum": maximum, "gt": gt, "lt": lt, "repeat": repeat,
+                                            "applies": tuple(applies) if applies else None})
+
+
+def options_field(kind: str, flag: str):
+    """A plugin's own options (`kind`: "strategy", "availability"): {name: value} for the Options dataclass the
+    chosen plugin declares (edge_client/options.py), from the table [KIND.options] of a config file and the
+    repeatable flag `flag` KEY=VALUE. `validate` converts and checks them against the plugin's Options and fills
+    in its defaults, so a run's config.json holds every option the plugin ran with."""
+    base = opt(None, "").metadata
+    return field(default_factory=dict, metadata={
+        **base,
+        "help": f"an option of a plugin {kind} that declares an Options dataclass, as KEY=VALUE converted by the "
+                f"option's type (repeat the flag for several; none sets an optional one to None); in a config "
+                f"file the table [{kind}.options]; `dropfl plugins {kind} NAME` lists a plugin's options "
+                f"(docs/extending.md)",
+        "flag": flag, "options": True})
 
 
 @dataclass
@@ -138,83 +161,107 @@ class TrainConfig:
                                         "local = a private Ray in this process (default: auto; docs/scale-out.md)")
 
 
+# the availability models built on `Availability` whose draws --min-active and --first-round-all change (not
+# `always`: everyone is available anyway)
+MODELS_WITH_DRAWS = ("bounded", "static", "timevarying", "diurnal", "cluster-dropout")
+DEVICE_TRACE = ("device-trace",)
+
+
 @dataclass
 class AvailabilityConfig:
     kind: str = opt("always", "availability model (a plugin: module:attr or an entry point of dropfl.availability)",
                     Names(REGISTRIES["availability.kind"]), flag="--availability")
-    tau_max: int = opt(20, "bounded: maximum period τmax (τ_i drawn from 0..τmax)", minimum=0)
-    tau_dist: str = opt("uniform", "bounded: τ_i distribution (paper: uniform; code: halfnormal)",
-                        ["uniform", "halfnormal"])
-    p: float = opt(0.1, "static: active probability p in (0, 1]", gt=0, maximum=1)
-    p_levels: int = opt(1, "static: 1 = identical p (paper), 5 = the code's five levels", [1, 5])
-    fraction: float = opt(0.3, "timevarying: fraction P of clients active per round", gt=0, maximum=1)
-    half_period: int = opt(100, "diurnal: half-period E in rounds (E rounds day, E rounds night; the old "
-                                "--period / key period still work, deprecated)", minimum=1)
-    diurnal_d: int = opt(1, "diurnal: D, clients of digits 0..D-1 form the day group", minimum=0, maximum=10)
-    alpha: float = opt(0.5, "cluster-dropout: dropout ratio α in [0, 1)", minimum=0, lt=1)
+    tau_max: int = opt(20, "maximum period τmax (τ_i drawn from 0..τmax)", minimum=0, applies=("bounded",))
+    tau_dist: str = opt("uniform", "τ_i distribution (paper: uniform; code: halfnormal)",
+                        ["uniform", "halfnormal"], applies=("bounded",))
+    p: float = opt(0.1, "active probability p in (0, 1]", gt=0, maximum=1, applies=("static",))
+    p_levels: int = opt(1, "1 = identical p (paper), 5 = the code's five levels", [1, 5], applies=("static",))
+    fraction: float = opt(0.3, "fraction P of clients active per round", gt=0, maximum=1, applies=("timevarying",))
+    half_period: int = opt(100, "half-period E in rounds (E rounds day, E rounds night; the old "
+                                "--period / key period still work, deprecated)", minimum=1, applies=("diurnal",))
+    diurnal_d: int = opt(1, "D, clients of digits 0..D-1 form the day group", minimum=0, maximum=10,
+                         applies=("diurnal",))
+    alpha: float = opt(0.5, "dropout ratio α in [0, 1)", minimum=0, lt=1, applies=("cluster-dropout",))
     min_active: int = opt(0, "if fewer clients are available, draw this many uniformly "
-                             "(MimiC released code: 2)", minimum=0)
-    first_round_all: bool = opt(True, "all clients available in round 0 (MimiC, FDMS)")
-    trace: str | None = opt(None, "replay: participation log (participation.csv or participation/ of a run)")
-    replay_selection: str = opt("auto", "replay: whose selection to replay. log = the recorded selection and its "
+                             "(MimiC released code: 2; also a plugin built on Availability)", minimum=0,
+                          applies=MODELS_WITH_DRAWS)
+    first_round_all: bool = opt(True, "all clients available in round 0 (MimiC, FDMS; also a plugin built on "
+                                      "Availability)", applies=MODELS_WITH_DRAWS)
+    trace: str | None = opt(None, "participation log (participation.csv or participation/ of a run)",
+                            applies=("replay",))
+    replay_selection: str = opt("auto", "whose selection to replay. log = the recorded selection and its "
                                         "after-selection drops (the same experiment, exact); strategy = the "
                                         "strategy selects among the recorded available clients, and clients that "
                                         "dropped in the log count as unavailable (compare algorithms on recorded "
                                         "availability); auto = log when the trace's run used the same --algo "
-                                        "(its config.json), else strategy", ["auto", "log", "strategy"])
-    device_trace: str | None = opt(None, "device-trace: device time series CSV (docs/traces.md)")
-    round_seconds: float = opt(60.0, "device-trace: virtual seconds per round", gt=0)
-    start_seconds: float = opt(0.0, "device-trace: trace time of round 0")
-    min_battery: float = opt(0.0, "device-trace: minimum battery %% to train", minimum=0, maximum=100)
-    require_charging: bool = opt(False, "device-trace: train only while charging")
-    min_uplink: float = opt(0.0, "device-trace: minimum uplink bytes/s to train", minimum=0)
-    max_temp: float | None = opt(None, "device-trace: decline above this temperature in °C, the trace's temp_c "
-                                       "(reason thermal; default: off)", minimum=-40, maximum=200)
+                                        "(its config.json), else strategy", ["auto", "log", "strategy"],
+                                applies=("replay",))
+    device_trace: str | None = opt(None, "device time series CSV (docs/traces.md)", applies=DEVICE_TRACE)
+    round_seconds: float = opt(60.0, "virtual seconds per round", gt=0, applies=DEVICE_TRACE)
+    start_seconds: float = opt(0.0, "trace time of round 0", applies=DEVICE_TRACE)
+    min_battery: float = opt(0.0, "minimum battery %% to train", minimum=0, maximum=100, applies=DEVICE_TRACE)
+    require_charging: bool = opt(False, "train only while charging", applies=DEVICE_TRACE)
+    min_uplink: float = opt(0.0, "minimum uplink bytes/s to train", minimum=0, applies=DEVICE_TRACE)
+    max_temp: float | None = opt(None, "decline above this temperature in °C, the trace's temp_c "
+                                       "(reason thermal; default: off)", minimum=-40, maximum=200,
+                                 applies=DEVICE_TRACE)
+    options: dict = options_field("availability", "--availability-option")
 
 
 @dataclass
 class StrategyConfig:
     algo: str = opt("fedavg", "aggregation strategy (a plugin: module:attr or an entry point of dropfl.strategies)",
                     Names(REGISTRIES["strategy.algo"]))
-    weighting: str = opt("uniform", "fedavg: client weights", ["uniform", "samples"])
-    fedavg_k: int | None = opt(None, "fedavg, fedprox: select K clients uniformly at random among the available "
+    weighting: str = opt("uniform", "client weights (also a plugin without from_config or Options)",
+                         ["uniform", "samples"], applies=("fedavg", "full", "fedprox", "fedcs"))
+    fedavg_k: int | None = opt(None, "select K clients uniformly at random among the available "
                                      "ones (FedLaAvg's baselines: K = βN; default: every available client, as "
                                      "MimiC and FL-FDMS)",
-                               minimum=1)
-    mu: float = opt(0.001, "fedprox: proximal coefficient μ", minimum=0)
-    feddd_d_max: float = opt(0.8, "feddd: maximal dropout rate D_max", minimum=0, maximum=1)
-    feddd_a_server: float = opt(0.6, "feddd, fedcs: upload budget A_server, the fraction of all clients' "
-                                     "model bytes uploaded per round", gt=0, maximum=1)
-    feddd_delta: float = opt(0.0, "feddd: penalty δ of eq. 16, seconds per unit of the regulariser re_n", minimum=0)
-    feddd_full_every: int = opt(1, "feddd: h, full-model download every h rounds, sparse in between (eqs. 5-6)",
-                                minimum=1)
-    fedcs_deadline: float | None = opt(None, "fedcs: round deadline in seconds (default: budget only)", gt=0)
-    rate_smoothing: float = opt(0.5, "feddd, fedcs: weight of a new rate measurement in the running estimate",
-                                gt=0, maximum=1)
-    server_lr: float = opt(1.0, "fedavg, fedprox, scaffold, fdms, mimic (delta units): global step on the "
-                                "averaged update (released codes: 1; FL-FDMS paper text: 0.1)", gt=0)
-    units: str = opt("delta", "mimic, mifa: update units, delta = released code (w ← w − mean delta), "
-                              "gradient = paper text (average gradients, w ← w − η_t v_t)", ["delta", "gradient"])
-    global_lr: float = opt(0.01, "mimic, mifa with --units gradient: η_0 of η_t = global_lr·global_lr_decay^t",
-                           gt=0)
-    global_lr_decay: float = opt(0.95, "mimic, mifa with --units gradient: per-round factor of η_t", gt=0, maximum=1)
-    mifa_round_weights: bool = opt(True, "mifa: weights round(1/N, 4) as the released code (--no-... : exact 1/N); "
+                               minimum=1, applies=("fedavg", "full", "fedprox"))
+    mu: float = opt(0.001, "proximal coefficient μ", minimum=0, applies=("fedprox",))
+    feddd_d_max: float = opt(0.8, "maximal dropout rate D_max", minimum=0, maximum=1, applies=("feddd",))
+    feddd_a_server: float = opt(0.6, "upload budget A_server, the fraction of all clients' "
+                                     "model bytes uploaded per round", gt=0, maximum=1, applies=("feddd", "fedcs"))
+    feddd_delta: float = opt(0.0, "penalty δ of eq. 16, seconds per unit of the regulariser re_n", minimum=0,
+                             applies=("feddd",))
+    feddd_full_every: int = opt(1, "h, full-model download every h rounds, sparse in between (eqs. 5-6)",
+                                minimum=1, applies=("feddd",))
+    fedcs_deadline: float | None = opt(None, "round deadline in seconds (default: budget only)", gt=0,
+                                       applies=("fedcs",))
+    rate_smoothing: float = opt(0.5, "weight of a new rate measurement in the running estimate",
+                                gt=0, maximum=1, applies=("feddd", "fedcs"))
+    server_lr: float = opt(1.0, "global step on the averaged update (mimic: delta units; released codes: 1; "
+                                "FL-FDMS paper text: 0.1)", gt=0,
+                           applies=("fedavg", "full", "fedprox", "scaffold", "fdms", "mimic", "mimic-client", "fedcs"))
+    units: str = opt("delta", "update units, delta = released code (w ← w − mean delta), "
+                              "gradient = paper text (average gradients, w ← w − η_t v_t)", ["delta", "gradient"],
+                     applies=("mimic", "mimic-client", "mifa"))
+    global_lr: float = opt(0.01, "with --units gradient: η_0 of η_t = global_lr·global_lr_decay^t",
+                           gt=0, applies=("mimic", "mimic-client", "mifa"))
+    global_lr_decay: float = opt(0.95, "with --units gradient: per-round factor of η_t", gt=0, maximum=1,
+                                 applies=("mimic", "mimic-client", "mifa"))
+    mifa_round_weights: bool = opt(True, "weights round(1/N, 4) as the released code (--no-... : exact 1/N); "
                                          "exact 1/N with a warning where N·round(1/N, 4) is more than 1%% off 1 "
-                                         "(N > 200 at worst, e.g. 0 for N > 20000)")
-    mifa_wait_all: bool = opt(False, "mifa: no model update until every client has uploaded once (MIFA's code); "
-                                     "a no-op when round 0 has everyone (--first-round-all)")
-    mifa_storage: str = opt("raw", "mifa: stored latest updates, raw = deltas in the lr scale of their round "
+                                         "(N > 200 at worst, e.g. 0 for N > 20000)", applies=("mifa",))
+    mifa_wait_all: bool = opt(False, "no model update until every client has uploaded once (MIFA's code); "
+                                     "a no-op when round 0 has everyone (--first-round-all)", applies=("mifa",))
+    mifa_storage: str = opt("raw", "stored latest updates, raw = deltas in the lr scale of their round "
                                    "(MimiC's released code), lr-normalised = delta/lr and the current lr applied "
-                                   "to the average (delta units only; docs/strategies.md)", ["raw", "lr-normalised"])
-    beta: float = opt(0.1, "fedlaavg: fraction β of clients selected per round, K = βN (oldest first)",
-                      gt=0, maximum=1)
-    fedlaavg_storage: str = opt("raw", "fedlaavg: stored latest updates, raw = deltas (same as the paper's constant "
+                                   "to the average (delta units only; docs/strategies.md)", ["raw", "lr-normalised"],
+                            applies=("mifa",))
+    beta: float = opt(0.1, "fraction β of clients selected per round, K = βN (oldest first)",
+                      gt=0, maximum=1, applies=("fedlaavg",))
+    fedlaavg_storage: str = opt("raw", "stored latest updates, raw = deltas (same as the paper's constant "
                                        "lr), lr-normalised = delta/lr and the current lr applied to the average "
-                                       "(the released code)", ["raw", "lr-normalised"])
-    fdms_cr: str = opt("off", "fdms: complexity reduction, case1 = Θt, case2 = 0.5·Θt", ["off", "case1", "case2"])
-    stale_variant: str = opt("weights", "stale: weights = last local models (FL-FDMS code), "
-                                        "update = last updates (paper text)", ["weights", "update"])
-    scaffold_correction_lr: float | None = opt(None, "scaffold: η_L in c_i⁺ (default: the round's local lr)", gt=0)
+                                       "(the released code)", ["raw", "lr-normalised"], applies=("fedlaavg",))
+    fdms_cr: str = opt("off", "complexity reduction, case1 = Θt, case2 = 0.5·Θt", ["off", "case1", "case2"],
+                       applies=("fdms",))
+    stale_variant: str = opt("weights", "weights = last local models (FL-FDMS code), "
+                                        "update = last updates (paper text)", ["weights", "update"],
+                             applies=("stale",))
+    scaffold_correction_lr: float | None = opt(None, "η_L in c_i⁺ (default: the round's local lr)", gt=0,
+                                               applies=("scaffold",))
+    options: dict = options_field("strategy", "--strategy-option")
 
 
 @dataclass
@@ -282,6 +329,10 @@ def add_arguments(parser: argparse.ArgumentParser, algos: list[str] | None = Non
     for section, factory in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(factory()):
+            if f.metadata.get("options"):
+                group.add_argument(flag(f), action="append", default=None, dest=f"{section}.{f.name}",
+                                   metavar="KEY=VALUE", help=f.metadata["help"])
+                continue
             kw = {"help": f"{f.metadata['help']} (default: {f.default})", "default": None,
                   "dest": f"{section}.{f.name}"}
             if f.type in ("bool", bool):
@@ -370,6 +421,8 @@ def load_file(path: str) -> dict:
 
 
 def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
+    """The checked config of a command line: defaults < config file < flags. Says once, as a warning, each option
+    set that does nothing for the chosen strategy or availability model (`inert_settings`)."""
     path = getattr(args, "config", None)
     file = upgrade_renamed(load_file(path), path) if path else {}
     parts = fill_sections(SECTIONS, file, UserError, source=path)  # checks the file's values
@@ -380,12 +433,232 @@ def resolve(args: argparse.Namespace, algos: list[str]) -> SimConfig:
             v, name = getattr(args, f"{section}.{f.name}", None), flag(f)
             if v is None and f"{section}.{f.name}" in renamed:
                 v, name = renamed[f"{section}.{f.name}"]
-            if v is not None:
+            if v is not None and not f.metadata.get("options"):
                 setattr(obj, f.name, v)
                 sources[f"{section}.{f.name}"] = f"from {name}"
+    for key, plugin_key in OPTIONS.items():
+        _merge_options(key, plugin_key, parts, file, path, getattr(args, key, None), sources)
     cfg = SimConfig(**parts)
     validate(cfg, algos, sources)
+    for line in inert_settings(cfg, sources):
+        log.warning("%s", line)
     return cfg
+
+
+# --- a plugin's own options (edge_client/options.py) -------------------------------------------------------------
+
+# the config fields of plugin options → the plugin field whose plugin declares them
+OPTIONS = {"strategy.options": "strategy.algo", "availability.options": "availability.kind"}
+
+
+class Text(str):
+    """An option's value as typed on the command line (KEY=VALUE), converted by the option's type in `validate`."""
+
+
+def _merge_options(key: str, plugin_key: str, parts: dict, file: dict, path: str | None, given: list[str] | None,
+                   sources: dict[str, str]) -> None:
+    """The options of `key` (e.g. strategy.options): the config file's table, then the flag's KEY=VALUE pairs over
+    it. A file's table belongs to the plugin the file names: where a flag chooses another one (`--availability
+    replay` with a run's config.json), the file's options are left out (logged)."""
+    section, name = key.split(".")
+    obj = parts[section]
+    options = getattr(obj, name)
+    file_choice = (file.get(section) or {}).get(plugin_key.split(".")[1])
+    chosen = getattr(obj, plugin_key.split(".")[1])
+    if isinstance(options, dict):
+        for k in options:
+            sources[f"{key}.{k}"] = f"in {path}"
+        if options and file_choice is not None and file_choice != chosen:
+            log.info("%s in %s are %s's, not %s's: left out", key, path, show(file_choice), show(chosen))
+            for k in options:
+                sources.pop(f"{key}.{k}")
+            options = {}
+    flag_ = flag(_field(section, name))
+    for item in given or ():
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise UserError(f"{flag_} {show(item)}: give KEY=VALUE, e.g. {flag_} momentum=0.9")
+        if not isinstance(options, dict):   # a file's bad value: `validate` says so, unless the flags replace it
+            options = {}
+        options = {**options, k.strip(): Text(v)}
+        sources[f"{key}.{k.strip()}"] = f"from {flag_} {item}"
+        sources[key] = f"from {flag_}"
+    setattr(obj, name, options)
+
+
+def _registry(plugin_key: str):
+    return Names(REGISTRIES[plugin_key]).registry
+
+
+def _options_where(key: str, k: str, sources: dict[str, str]) -> str:
+    """Where the option k of `key` was given: "--strategy-option k=v" or "strategy.options.k in FILE"."""
+    src = sources.get(f"{key}.{k}", "")
+    return src.removeprefix("from ") if src.startswith("from ") else f"{key}.{k}{' ' + src if src else ''}"
+
+
+def check_options(key: str, plugin_key: str, name: str, given, sources: dict[str, str] | None = None) -> dict:
+    """The options `given` for the plugin `name` (of `plugin_key`, already resolved by `check_plugin`), converted
+    by the types of the Options dataclass it declares and checked by it: {option: value} for every option, the
+    defaults filled in. UserError, one line naming the plugin and what to fix: a plugin that takes no options, an
+    unknown option (its options listed), a value of the wrong type, a required option left out, a value its
+    `__post_init__` refuses, an Options class that cannot be used."""
+    from edge_client import options as po
+
+    sources = sources or {}
+    section = key.split(".")[0]
+    flag_ = flag(_field(section, "options"))
+    if not isinstance(given, Mapping):
+        src = sources.get(key, "")
+        raise UserError(f"{key} must be a table of option = value ([{key}] in a config file, {flag_} KEY=VALUE "
+                        f"on the command line) (got {show(given)}{' ' + src if src else ''})")
+    entry = _registry(plugin_key).entry(name)
+    at = f" {sources[plugin_key]}" if sources.get(plugin_key) else ""
+    try:
+        cls = po.options_class(entry.obj)
+        specs = po.specs(cls) if cls is not None else []
+    except po.OptionsError as e:
+        raise UserError(f"{plugin_key} {show(name)}{at} ({entry.origin}): {e}") from None
+    _check_construction(plugin_key, name, entry, cls, at)
+    if cls is None:
+        if given:
+            k = next(iter(given))
+            why = (f"; {name}'s settings are flags of their own (`dropfl sim --help`)" if entry.origin == "built-in"
+                   else f"; declare an Options dataclass on {name} to give it options")
+            raise UserError(f"{_options_where(key, k, sources)}: the {section} {name} takes no options: {flag_} is "
+                            f"for a plugin that declares an Options dataclass (docs/extending.md){why}")
+        return {}
+    by_name = {s.name: s for s in specs}
+    listing = ", ".join(s.short() for s in specs) or "none"
+    out = {}
+    for k, v in given.items():
+        where = _options_where(key, k, sources)
+        spec = by_name.get(k)
+        if spec is None:
+            near = difflib.get_close_matches(str(k), list(by_name), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise UserError(f"{where}: {name} has no option {show(k)}{hint}; its options: {listing}")
+        try:
+            out[k] = po.parse(spec, v) if isinstance(v, Text) else po.conform(spec, v)
+        except ValueError:
+            got = show(str(v)) if isinstance(v, Text) else show(v)
+            raise UserError(f"{where}: {name}'s option {k} takes {spec.expectation()} (got {got})") from None
+    for s in specs:
+        if s.name not in out:
+            if s.required:
+                raise UserError(f"{key}: {name}'s option {s.name} is required (it has no default): give {flag_} "
+                                f"{s.name}=VALUE, or {s.name} = ... in [{key}] of a config file")
+            out[s.name] = s.default
+    try:
+        po.build(cls, out)
+    except po.OptionsError as e:
+        where = ", ".join(_options_where(key, k, sources) for k in given) or f"{key} (its defaults)"
+        raise UserError(f"{where}: {name}'s options are not valid: {e}") from None
+    return {s.name: out[s.name] for s in specs}
+
+
+def _check_construction(plugin_key: str, name: str, entry, cls, at: str) -> None:
+    """That the plugin's constructor takes what it is built with (runsetup.build_strategy, availability.models
+    .build): else UserError naming the plugin, how it is built, and what to add."""
+    import inspect
+
+    obj = entry.obj
+    label = getattr(obj, "__name__", str(name))
+    if plugin_key == "strategy.algo":
+        if cls is not None:
+            args, kwargs, how = (), {"options": None}, f"{label}(options={label}.Options(...))"
+            fix = "add a keyword parameter options to its __init__"
+        elif hasattr(obj, "from_config"):
+            return
+        else:
+            args, kwargs, how = (), {"weighting": "uniform"}, f"{label}(weighting=...)"
+            fix = ("add a keyword parameter weighting, a classmethod from_config(StrategyConfig), or an Options "
+                   "dataclass and options=")
+    else:
+        from coordinator.availability.models import Availability
+        if isinstance(obj, type) and issubclass(obj, Availability):
+            args, kwargs = (1, 0), {"first_round_all": True, "min_active": 0}
+            how = f"{label}(clients, seed, first_round_all=..., min_active=...)"
+            fix = "take those parameters (as Availability.__init__ does)"
+            if cls is not None:
+                kwargs["options"] = None
+                how = how[:-1] + f", options={label}.Options(...))"
+                fix = "add a keyword parameter options to its __init__ and pass the rest to Availability.__init__"
+        elif cls is not None:
+            args, kwargs, how = (None,), {"options": None}, f"{label}(cfg, options={label}.Options(...))"
+            fix = "add a keyword parameter options"
+        else:
+            return
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):   # no signature to read (a C callable): its call says what is wrong
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise UserError(f"{plugin_key} {show(name)}{at} ({entry.origin}): it is built as {how}, but its "
+                        f"signature {label}{sig} does not take that ({e}): {fix}") from None
+
+
+# --- options that do nothing for the chosen strategy or availability model --------------------------------------
+
+ANY = None   # a plugin that may read any option of its section (`_plugin_reads`)
+
+
+def _plugin_reads(plugin_key: str, name: str) -> frozenset[str] | None:
+    """The built-in options of its section a plugin (not a built-in) is built with: a strategy with Options gets
+    only its options, one with `from_config(StrategyConfig)` may read any (ANY), any other strategy gets
+    `weighting`; an `Availability` subclass gets `min_active` and `first_round_all`, a callable (SimConfig) may read
+    any (runsetup.build_strategy, availability.models.build)."""
+    from edge_client import options as po
+
+    obj = _registry(plugin_key).entry(name).obj
+    try:
+        has_options = po.options_class(obj) is not None
+    except po.OptionsError:
+        has_options = True
+    if plugin_key == "strategy.algo":
+        if has_options:
+            return frozenset()
+        return ANY if hasattr(obj, "from_config") else frozenset({"weighting"})
+    from coordinator.availability.models import Availability
+    if isinstance(obj, type) and issubclass(obj, Availability):
+        return frozenset({"min_active", "first_round_all"})
+    return ANY
+
+
+def inert_settings(cfg: SimConfig, sources: dict[str, str] | None = None) -> list[str]:
+    """One line per option set to a value other than its default that does nothing for the chosen strategy or
+    availability model: the fields' `applies` (opt) for built-ins, `_plugin_reads` for plugins. `sources` (as
+    `validate`'s): only options given explicitly count, and an option of a config file only where the choice
+    it does nothing for is not a flag's (`--config RUN/config.json --availability replay` keeps the recorded
+    run's options quietly); None: every value that differs from its default counts."""
+    lines = []
+    for plugin_key in OPTIONS.values():
+        section, choice = plugin_key.split(".")
+        obj, default = getattr(cfg, section), SECTIONS[section]()
+        chosen = getattr(obj, choice)
+        try:
+            entry = _registry(plugin_key).entry(chosen)
+        except PluginError:
+            continue
+        reads = None if entry.origin == "built-in" else _plugin_reads(plugin_key, chosen)
+        if entry.origin != "built-in" and reads is ANY:
+            continue
+        for f in dataclasses.fields(obj):
+            applies = f.metadata.get("applies")
+            key, v = f"{section}.{f.name}", getattr(obj, f.name)
+            if not applies or v == getattr(default, f.name):
+                continue
+            if (f.name in reads) if reads is not None else (chosen in applies):
+                continue
+            src = ""
+            if sources is not None:
+                src = sources.get(key, "")
+                if not src or (src.startswith("in ") and sources.get(plugin_key, "").startswith("from ")):
+                    continue
+            lines.append(f"{key} {show(v)}{' ' + src if src else ''} does nothing for {plugin_key} {show(chosen)} "
+                         f"(it applies to {', '.join(applies)}): leave it out")
+    return lines
 
 
 def check_plugin(key: str, name: str, where: str = "") -> None:
@@ -420,11 +693,19 @@ def validate(cfg: SimConfig, algos: list[str] | None = None, sources: dict[str, 
         hints = field_types(type(obj))
         for f in dataclasses.fields(obj):
             key = f"{section}.{f.name}"
+            if key in OPTIONS:
+                continue   # after the plugin that declares them (below)
             v = check_value(key, getattr(obj, f.name), hints.get(f.name), f.metadata, sources.get(key, ""),
                             UserError)
             if key in REGISTRIES:
                 check_plugin(key, v, sources.get(key, ""))
             setattr(obj, f.name, v)
+    for key, plugin_key in OPTIONS.items():
+        section, name = key.split(".")
+        obj = getattr(cfg, section)
+        plugin_section, plugin_name = plugin_key.split(".")
+        chosen = getattr(getattr(cfg, plugin_section), plugin_name)
+        setattr(obj, name, check_options(key, plugin_key, chosen, getattr(obj, name), sources))
     c, t, r = cfg.data, cfg.train, cfg.run
 
     def got(key: str, v) -> str:

@@ -34,6 +34,8 @@ from coordinator.strategies import STRATEGIES, Strategy
 from edge_client import datasets, federation, logs, partition
 from edge_client.federation import DataBinding
 from edge_client.models import build_model, get_flat, set_flat
+from edge_client.options import build as build_options
+from edge_client.options import options_class
 from edge_client.registry import PluginError, blame
 from edge_client.trainer import evaluate
 
@@ -108,8 +110,9 @@ def build_availability(cfg: SimConfig):
         entry = av.AVAILABILITY.entry(cfg.availability.kind)
     except PluginError as e:
         raise UserError(f"--availability: {e}") from None
+    options = plugin_options(entry.obj, cfg.availability.options)
     with blame(entry, UserError, (UserError,)):
-        source = av.build(entry.obj, cfg)
+        source = av.build(entry.obj, cfg, options)
     if not callable(getattr(source, "round", None)):
         raise UserError(f"--availability {cfg.availability.kind}: it built a {type(source).__name__}, which has no "
                         f"round(t) -> RoundAvailability method")
@@ -164,15 +167,30 @@ def replay_selection(cfg: SimConfig) -> str:
     return chosen
 
 
+def plugin_options(obj, values: dict):
+    """The plugin `obj`'s Options instance for its options `values` (config.check_options converted and completed
+    them), or None for a plugin that declares no Options."""
+    cls = options_class(obj)
+    return None if cls is None else build_options(cls, values)
+
+
 def build_strategy(cfg: SimConfig) -> Strategy:
+    """The run's strategy, from the --algo registry: a class with Options is built as cls(options=Options(...)),
+    else with its from_config(StrategyConfig), else as cls(weighting=...) (docs/extending.md)."""
     s = cfg.strategy
     try:
         entry = STRATEGIES.entry(s.algo)
     except PluginError as e:
         raise UserError(f"--algo: {e}") from None
     cls = entry.obj
+    options = plugin_options(cls, s.options)
     with blame(entry, UserError, (UserError,)):
-        strategy = cls.from_config(s) if hasattr(cls, "from_config") else cls(weighting=s.weighting)
+        if options is not None:
+            strategy = cls(options=options)
+        elif hasattr(cls, "from_config"):
+            strategy = cls.from_config(s)
+        else:
+            strategy = cls(weighting=s.weighting)
     if hasattr(strategy, "bind_lr_schedule"):  # applies the round's lr on the server (FedLaAvg lr-normalised)
         strategy.bind_lr_schedule(loop_config(cfg).lr_at)
     return strategy

@@ -240,7 +240,8 @@ def _is_availability(obj) -> str | None:
 # The availability models by --availability name (edge_client/registry.py). An entry is an `Availability` subclass,
 # built as cls(clients, seed, first_round_all=, min_active=), or a callable taking the run's SimConfig and returning
 # anything with `round(t) -> RoundAvailability`; a plugin (entry point group dropfl.availability, or module:attr) is
-# the same (`build`). `replay` and `device-trace` register in coordinator/runsetup.py.
+# the same, with options=Options(...) added where it declares an Options dataclass (`build`). `replay` and
+# `device-trace` register in coordinator/runsetup.py.
 AVAILABILITY = Registry("availability model", "dropfl.availability", check=_is_availability,
                         builtins=("coordinator.runsetup",))
 
@@ -249,11 +250,13 @@ def _common(cfg) -> dict:
     return {"first_round_all": cfg.availability.first_round_all, "min_active": cfg.availability.min_active}
 
 
-def build(obj, cfg):
-    """The availability source of the registry entry `obj` for the run `cfg` (a SimConfig)."""
+def build(obj, cfg, options=None):
+    """The availability source of the registry entry `obj` for the run `cfg` (a SimConfig). `options`: the
+    instance of the Options dataclass `obj` declares (docs/extending.md), passed as the keyword `options`."""
+    extra = {} if options is None else {"options": options}
     if isinstance(obj, type) and issubclass(obj, Availability):
-        return obj(cfg.data.clients, cfg.run.seed, **_common(cfg))
-    return obj(cfg)
+        return obj(cfg.data.clients, cfg.run.seed, **_common(cfg), **extra)
+    return obj(cfg, **extra)
 
 
 AVAILABILITY.register("always", AlwaysOn)
