@@ -85,7 +85,7 @@ class SimTransport:
             if d.get("generic"):
                 text += ", torch.func (no hand-written batched forward for this model)"
             if d["native"]:
-                text += ", fused LeNet kernels"
+                text += ", native LeNet kernels where their runtime checks pass (each round's engine says which ran)"
             elif "native_off" in d:
                 text += f", torch ops (native kernels unavailable: {d['native_off'].splitlines()[0]})"
             if self.batched.device.type == "cuda":
