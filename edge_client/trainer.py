@@ -12,17 +12,24 @@ so the server applies w ← w − aggregate(deltas).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from edge_client.models import dropout_layers, get_flat, set_flat
+from edge_client.objectives import Correction, LocalObjective, Proximal, correction_of, proximal_mu, with_objective
 
 
-@dataclass
+@dataclass(init=False)
 class TrainTask:
-    """What the coordinator asks one client to do in one round."""
+    """What the coordinator asks one client to do in one round.
+
+    `objectives`: what the client does differently in local training, applied in order (edge_client/objectives.py:
+    FedProx's `Proximal`, SCAFFOLD's `Correction`, or a plugin's). `prox_mu=` and `grad_correction=` are
+    shorthands that set the proximal and correction objectives; `.prox_mu` and `.grad_correction` read them back
+    (0.0 and None without one)."""
 
     client: int
     round: int
@@ -30,11 +37,34 @@ class TrainTask:
     batch_size: int
     epochs: int | None = 1          # full passes over the local data (drop_last=False) ...
     steps: int | None = None        # ... or exactly this many SGD steps (takes precedence)
-    prox_mu: float = 0.0            # FedProx: + μ/2 ‖w − w_global‖² in the local loss
-    grad_correction: torch.Tensor | None = None  # SCAFFOLD: added to every gradient (c − c_i)
     seed: int = 0
     dropout_rate: float | None = None  # FedDD: upload only 1 − D of the model (edge_client/feddd.py)
     sparse_download: bool = False      # FedDD eq. (5): this round's download is W^t on the last mask only
+    objectives: tuple[LocalObjective, ...] = ()
+
+    def __init__(self, client: int, round: int, lr: float, batch_size: int, epochs: int | None = 1,
+                 steps: int | None = None, *, seed: int = 0, dropout_rate: float | None = None,
+                 sparse_download: bool = False, objectives: Sequence[LocalObjective] = (),
+                 prox_mu: float | None = None, grad_correction: torch.Tensor | None = None):
+        self.client, self.round, self.lr, self.batch_size = client, round, lr, batch_size
+        self.epochs, self.steps, self.seed = epochs, steps, seed
+        self.dropout_rate, self.sparse_download = dropout_rate, sparse_download
+        objectives = tuple(objectives)
+        if prox_mu is not None:
+            objectives = with_objective(objectives, Proximal(prox_mu) if prox_mu else None, Proximal)
+        if grad_correction is not None:
+            objectives = with_objective(objectives, Correction(grad_correction), Correction)
+        self.objectives = objectives
+
+    @property
+    def prox_mu(self) -> float:
+        """FedProx's μ (0.0 without a proximal objective)."""
+        return proximal_mu(self.objectives)
+
+    @property
+    def grad_correction(self) -> torch.Tensor | None:
+        """SCAFFOLD's c − c_i (None without a correction objective)."""
+        return correction_of(self.objectives)
 
 
 @dataclass
@@ -42,7 +72,7 @@ class LocalResult:
     delta: torch.Tensor   # w_global − w_local
     num_samples: int
     steps: int
-    loss: float           # mean training loss over the steps
+    loss: float           # mean training cross-entropy over the steps (local objectives' terms not included)
     seconds: float        # wall time of the training
     # what actually trained it, where an engine has more than one path (the batched engine's native parts, e.g.
     # "conv+fc+loss+step"), and why a part it could have used did not run (None: nothing to say)
@@ -98,24 +128,27 @@ def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: to
     for layer in dropout_layers(model):
         layer.generator = gen
     params = list(model.parameters())
-    anchor = [p.detach().clone() for p in params] if task.prox_mu else None
-    corr = None
-    if task.grad_correction is not None:
-        corr = list(torch.split(task.grad_correction.to(params[0].device), [p.numel() for p in params]))
+    # the task's local objectives (FedProx's term, SCAFFOLD's correction, a plugin's), on the model's device;
+    # the anchor is w_global as the model holds it
+    objectives = [o.to(params[0].device) for o in task.objectives] if params else []
+    anchor = [p.detach().clone() for p in params] if objectives else []
     loss_sum = 0.0
     for idx in plan:
         for p in params:
             p.grad = None
         loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-        loss.backward()
-        loss_sum += float(loss.detach())
+        total = loss
+        for o in objectives:   # a loss term (autograd differentiates it with the cross-entropy)
+            term = o.loss(params, anchor)
+            if term is not None:
+                total = total + term
+        total.backward()
+        loss_sum += float(loss.detach())   # the data loss: the objectives' terms are not in it
         with torch.no_grad():
-            for j, p in enumerate(params):
-                g = p.grad
-                if anchor is not None:
-                    g = g + task.prox_mu * (p - anchor[j])
-                if corr is not None:
-                    g = g + corr[j].view_as(p)
+            grads = [p.grad for p in params]
+            for o in objectives:   # FedProx: g + μ(w − w_t); SCAFFOLD: g + (c − c_i); in the task's order
+                grads = o.gradient(grads, params, anchor)
+            for p, g in zip(params, grads):
                 p.add_(g, alpha=-task.lr)
     delta = w_global - get_flat(model).to(w_global.device)  # on w_global's device (the CPU: a no-op there)
     return LocalResult(delta, len(y), len(plan), loss_sum / max(len(plan), 1), time.perf_counter() - start)

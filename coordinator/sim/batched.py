@@ -17,8 +17,10 @@ Exactness, client by client (see docs/engine.md):
   padded rows have loss weight 0 and the client's loss is the mean over its real rows;
 - clients that have finished (fewer steps) are frozen: clients are sorted by step count, so the
   clients still training at step j are a prefix and only that prefix is computed;
-- FedProx (prox_mu) and SCAFFOLD (grad_correction) are added to each client's gradient as in
-  `local_train`, then w ← w − lr·g with the client's own lr.
+- the tasks' local objectives (edge_client/objectives.py) as in `local_train`: FedProx's proximal term and
+  SCAFFOLD's correction added to each client's gradient with stacked (and native) arithmetic of the loop's
+  bits; any other objective (a plugin's) through its own hooks, client by client, on the torch-ops path; then
+  w ← w − lr·g with the client's own lr.
 
 The LeNets' first two layers, each relu(max_pool(conv)), run as native kernels (coordinator/kernels,
 compiled with g++ on first use; torch ops where they cannot be built): docs/engine.md.
@@ -43,6 +45,7 @@ from torch import nn
 
 from coordinator.sim import kernels
 from coordinator.sim.kernels import conv2_pool_relu, conv_pool_relu
+from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import MODELS, VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
@@ -482,23 +485,27 @@ class Group:
         def col(vals: list[float], shape: torch.Size) -> torch.Tensor:  # per-client scalars, broadcastable
             return torch.tensor(vals, dtype=w0.dtype, device=dev).view(-1, *([1] * len(shape)))
 
-        mu = [t.prox_mu for t in tasks]
+        # the local objectives: FedProx's μ and SCAFFOLD's c − c_i by the stacked arithmetic below; where a task has
+        # any other (a plugin's, or these in another order), every task's through its hooks (`hooked`)
+        hooked = None if all(objectives_.builtin_only(t.objectives) for t in tasks) else [t.objectives for t in tasks]
+        mu = [0.0 if hooked else objectives_.proximal_mu(t.objectives) for t in tasks]
+        cs = [None if hooked else objectives_.correction_of(t.objectives) for t in tasks]
         neg_lr = [-t.lr for t in tasks]
         same_lr = len(set(neg_lr)) == 1  # the usual case; a broadcast addcmul_ is ~3x slower than add_
         corr = None
-        if any(t.grad_correction is not None for t in tasks):
+        if any(c is not None for c in cs):
             zero = torch.zeros(w_global.shape[-1], dtype=w_global.dtype)   # w_global: [P], or [R, P] with `start`
-            c = torch.stack([t.grad_correction if t.grad_correction is not None else zero for t in tasks]).to(dev)
+            c = torch.stack([c if c is not None else zero for c in cs]).to(dev)
             corr = dict(zip(self.names, [_held(cc.reshape(k_all, *s), stacked=True).contiguous() for cc, s in
                                          zip(torch.split(c, [s.numel() for s in self.shapes], 1), self.shapes)]))
         # the usual case: one lr, no FedProx term, no SCAFFOLD correction. On the CPU the update is then one
         # _foreach_add_ over all parameters, which runs the same add_ per tensor (same bits, fewer calls;
         # tests/test_batched_fastpath.py). Not on CUDA, where foreach ops have their own fused kernels.
-        plain_sgd = (same_lr and dev.type == "cpu"
+        plain_sgd = (same_lr and dev.type == "cpu" and hooked is None
                      and (not any(terms) if terms is not None else not any(mu) and corr is None))
         # FedProx's term and SCAFFOLD's correction with one lr: one fused pass per parameter, the same bits as the
         # torch ops below (`kernels.sgd_update`, checked against them once per process: `fused_update`)
-        fused = (not plain_sgd and same_lr and dev.type == "cpu"
+        fused = (not plain_sgd and same_lr and dev.type == "cpu" and hooked is None
                  and kernels.fused_update(self.native, w0.dtype))
         if terms is not None and not (plain_sgd or fused):
             raise RuntimeError("Group.train: per-task terms need one lr and the fused update (kernels.fused_update)")
@@ -523,9 +530,10 @@ class Group:
             return kernels.fc_sgd(x, g, live[n], neg_lr[0], self.native)   # step in one pass, where exact
 
         live_k, layers, fc, whole = None, None, None, None
-        in_step = self.by_hand and (plain_sgd or fused)   # the step by hand updates as it goes (`apply`)
+        by_hand = self.by_hand and hooked is None   # the LeNet step by hand has no autograd for a plugin's loss term
+        in_step = by_hand and (plain_sgd or fused)   # the step by hand updates as it goes (`apply`)
         tables = self._tables(tasks, plans, data)
-        if self.by_hand and tables is not None:   # the fused layers' calls, prepared once (all clients' stacks)
+        if by_hand and tables is not None:   # the fused layers' calls, prepared once (all clients' stacks)
             width = tables.rows.shape[2]
             layers = kernels.LeNetLayers(self.native, self.x_all, self.x_split, params["conv1.weight"],
                                          params["conv1.bias"], params["conv2.weight"], params["conv2.bias"], width)
@@ -548,7 +556,7 @@ class Group:
         for step in self._steps(tables):
             k = step.k
             prox = fused and mu_t is not None and any(mu[:k])   # this step's FedProx term in the fused update
-            if self.by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
+            if by_hand:   # the LeNets with both fused layers: the same gradients, no autograd graph
                 if k != live_k:   # the active clients' views, made again only when a client has finished
                     live, live_k = {n: p[:k] for n, p in params.items()}, k
                 z = _Batch(live, step, gens[:k], self.x_all, self.native, self.x_split, layers=layers)
@@ -561,9 +569,18 @@ class Group:
                 logits = self.forward(self.model, z)
                 ce = F.cross_entropy(logits.reshape(k * z.b, -1), step.y.reshape(-1), reduction="none").view(k, z.b)
                 loss = (ce * step.weight).sum(1) / step.size.to(ce.dtype)   # each client's mean over its real rows
-                grads = torch.autograd.grad(loss.sum(), list(live.values()))
+                total = loss.sum()
+                if hooked is not None:   # the objectives' loss terms, each client's on its own slice
+                    term = objectives_.loss_stacked(hooked[:k], list(live.values()), list(anchors.values()),
+                                                    stacked_anchor=start is not None, layout=_held)
+                    total = total if term is None else total + term
+                grads = torch.autograd.grad(total, list(live.values()))
             with torch.no_grad():
                 loss_sum[:k] += loss.detach().double()
+                if hooked is not None:   # the objectives' gradient hooks, client by client
+                    grads = objectives_.apply_stacked(hooked[:k], grads, [p[:k] for p in params.values()],
+                                                      list(anchors.values()), stacked_anchor=start is not None,
+                                                      layout=_held)
                 if in_step:   # every parameter already updated inside the step
                     continue
                 if plain_sgd:   # w ← w − lr·g for every parameter in one call: the same add_ per tensor

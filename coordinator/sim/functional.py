@@ -14,7 +14,10 @@ Exactly `local_train`'s algorithm, client by client:
   training are grouped by their real batch size, one computation per size (padded rows would enter a
   BatchNorm's batch statistics, and any other op that mixes the rows of a batch);
 - clients that finished (fewer steps) are frozen: sorted by step count, the active clients are a prefix;
-- FedProx g + μ(w − w_global), SCAFFOLD g + (c − c_i), then w ← w − lr·g with the client's own lr;
+- the tasks' local objectives (edge_client/objectives.py): FedProx g + μ(w − w_global) and SCAFFOLD g + (c − c_i)
+  stacked over the clients; any other objective (a plugin's) client by client through its own hooks (its loss
+  term differentiated apart from the cross-entropy and added to the gradient); then w ← w − lr·g with the
+  client's own lr;
 - buffers (BatchNorm's running statistics, `num_batches_tracked`): one copy per client, starting from the
   model's buffers when the engine was built, updated by the client's own steps as its forward updates them;
   they are not in the delta (`get_flat` is parameters only, as in the loop) and are dropped after the round.
@@ -34,6 +37,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from coordinator.sim.batched import _strip_generators
+from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
@@ -117,6 +121,18 @@ class FunctionalEngine:
         grads = torch.autograd.grad(loss.sum(), list(live.values()))
         return loss.detach(), grads
 
+    @staticmethod
+    def _term_grads(objs, params: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor],
+                    grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """`grads` plus the gradients of the clients' loss terms (`LocalObjective.loss`), where they have one."""
+        live = [p.detach().requires_grad_() for p in params.values()]
+        with torch.enable_grad():
+            term = objectives_.loss_stacked(objs, live, list(anchors.values()))
+        if term is None:
+            return list(grads)
+        extra = torch.autograd.grad(term, live, allow_unused=True)
+        return [g if e is None else g + e for g, e in zip(grads, extra)]
+
     def _probe(self) -> None:
         """Run one step on two samples: records the dropout layers' calls (`self.drops`) and checks that
         torch.func runs the model (TypeError where it does not, with torch's reason)."""
@@ -168,14 +184,19 @@ class FunctionalEngine:
         anchors = dict(zip(self.names, chunks))   # FedProx's w_global, per parameter
         params = {n: a.expand(k_all, *a.shape).clone() for n, a in anchors.items()}
         buffers = {n: b.expand(k_all, *b.shape).clone() for n, b in self.buffers0.items()}
+        # FedProx's μ and SCAFFOLD's c − c_i stacked; where a task has any other objective (a plugin's, or these in
+        # another order), every task's objectives through their hooks instead (`hooked`)
+        hooked = None if all(objectives_.builtin_only(t.objectives) for t in tasks) else \
+            [tuple(o.to(dev) for o in t.objectives) for t in tasks]
+        cs = [None if hooked else objectives_.correction_of(t.objectives) for t in tasks]
         corr = None
-        if any(t.grad_correction is not None for t in tasks):
+        if any(c is not None for c in cs):
             zero = torch.zeros_like(w0)
-            c = torch.stack([t.grad_correction.to(dev, w0.dtype) if t.grad_correction is not None else zero
-                             for t in tasks])
+            c = torch.stack([c.to(dev, w0.dtype) if c is not None else zero for c in cs])
             corr = {n: cc.reshape(k_all, *s) for n, s, cc in
                     zip(self.names, self.shapes, torch.split(c, [s.numel() for s in self.shapes], 1))}
-        mu = torch.tensor([t.prox_mu for t in tasks], dtype=w0.dtype, device=dev)
+        mu = torch.tensor([0.0 if hooked else objectives_.proximal_mu(t.objectives) for t in tasks],
+                          dtype=w0.dtype, device=dev)
         neg_lr = torch.tensor([-t.lr for t in tasks], dtype=w0.dtype, device=dev)   # (one lr: the float itself)
         n_steps = [len(s) for _, s in plans]
         loss_sum = torch.zeros(k_all, dtype=torch.float64)
@@ -185,7 +206,8 @@ class FunctionalEngine:
             for i in range(k):
                 by_size.setdefault(int(plans[i][1][j]), []).append(i)
             for size, idx in by_size.items():
-                loss = self._update(j, size, idx, tasks, gens, plans, params, buffers, anchors, corr, mu, neg_lr)
+                loss = self._update(j, size, idx, tasks, gens, plans, params, buffers, anchors, corr, mu, neg_lr,
+                                    hooked)
                 loss_sum[idx] += loss.double().cpu()
         flat = torch.cat([p.reshape(k_all, -1) for p in params.values()], 1)
         deltas = (w0.unsqueeze(0) - flat).to(w_global.device, w_global.dtype)
@@ -208,7 +230,7 @@ class FunctionalEngine:
         return x
 
     def _update(self, j: int, size: int, idx: list[int], tasks, gens, plans, params, buffers, anchors, corr,
-                mu: torch.Tensor, neg_lr: torch.Tensor) -> torch.Tensor:
+                mu: torch.Tensor, neg_lr: torch.Tensor, hooked=None) -> torch.Tensor:
         """Step j for clients `idx` (real batch `size` each): forward, backward, SGD update in place. Their loss [k]."""
         lo, hi = idx[0], idx[-1] + 1
         sel: slice | torch.Tensor = slice(lo, hi) if hi - lo == len(idx) else \
@@ -219,6 +241,10 @@ class FunctionalEngine:
         p_sub = {n: p[sel] for n, p in params.items()}
         b_sub = {n: b[sel] for n, b in buffers.items()}
         loss, grads = self._step(p_sub, b_sub, x, y, masks)
+        if hooked is not None:   # the objectives' loss terms, then their gradient hooks, client by client
+            objs = [hooked[i] for i in idx]
+            grads = objectives_.apply_stacked(objs, self._term_grads(objs, p_sub, anchors, grads),
+                                              list(p_sub.values()), list(anchors.values()))
         with torch.no_grad():
             m, lr = mu[sel], neg_lr[sel]
             same_lr = len({tasks[i].lr for i in idx}) == 1

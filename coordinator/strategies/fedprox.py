@@ -6,14 +6,15 @@ import dataclasses
 
 from coordinator.strategies.base import State
 from coordinator.strategies.fedavg import FedAvg
+from edge_client.objectives import Proximal, with_objective
 from edge_client.trainer import TrainTask
 
 
 class FedProx(FedAvg):
     """FedProx, Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith, "Federated Optimization in Heterogeneous
     Networks", MLSys 2020. Each client minimises F_i(w) + (μ/2)‖w − w_t‖² with the same local SGD
-    (the trainer adds μ(w − w_t) to every gradient, `TrainTask.prox_mu`); aggregation is FedAvg over
-    the clients whose updates arrived: w_{t+1} = w_t − (1/|S_t|) Σ_{i∈S_t} d_i.
+    (the `proximal` local objective, edge_client/objectives.py: μ(w − w_t) added to every gradient);
+    aggregation is FedAvg over the clients whose updates arrived: w_{t+1} = w_t − (1/|S_t|) Σ_{i∈S_t} d_i.
 
     Args:
         mu: proximal coefficient μ. MimiC does not report it; 0.001 (default) is NIID-Bench's default,
@@ -36,4 +37,5 @@ class FedProx(FedAvg):
         return cls(mu=s.mu, weighting=s.weighting, server_lr=s.server_lr, k=s.fedavg_k)
 
     def configure(self, state: State, t: int, task: TrainTask) -> TrainTask:
-        return dataclasses.replace(task, prox_mu=self.mu)  # local loss F_i(w) + (μ/2)‖w − w_t‖²
+        # local loss F_i(w) + (μ/2)‖w − w_t‖²
+        return dataclasses.replace(task, objectives=with_objective(task.objectives, Proximal(self.mu), Proximal))

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from coordinator.strategies.base import ClientUpdate, State, Strategy
+from edge_client.objectives import Correction, with_objective
 from edge_client.trainer import TrainTask
 
 
@@ -19,12 +20,12 @@ class Scaffold(Strategy):
         server:      w_{t+1} = w_t − η_g (1/|S_t|) Σ_{i∈S_t} d_i      (line 16; d_i = w_t − y_i)
                      c ← c + (1/N) Σ_{i∈S_t} (c_i⁺ − c_i)             (line 17)
 
-    Clients are kept stateless: the server state holds c and every c_i; `configure` sends
-    c − c_i with the task (`TrainTask.grad_correction`) and `aggregate` derives c_i⁺ from the uploaded
-    delta. That is the same number the client would compute and upload as Δc_i = c_i⁺ − c_i, since the
-    server knows c_i, c, K and η_L; the client only uploads d_i. In the field each participant uploads
-    two model-sized vectors (d_i and Δc_i), so a round counts as two uploads (`uploads_per_round = 2`):
-    MimiC compares methods at equal uploads, hence SCAFFOLD runs half the rounds.
+    Clients are kept stateless: the server state holds c and every c_i; `configure` sends c − c_i with
+    the task (the `correction` local objective, edge_client/objectives.py) and `aggregate` derives c_i⁺
+    from the uploaded delta. That is the same number the client would compute and upload as
+    Δc_i = c_i⁺ − c_i, since the server knows c_i, c, K and η_L; the client only uploads d_i. In the
+    field each participant uploads two model-sized vectors (d_i and Δc_i), so a round counts as two
+    uploads (`uploads_per_round = 2`): MimiC compares methods at equal uploads, hence SCAFFOLD runs half the rounds.
 
     Args:
         server_lr: global step η_g (1, as NIID-Bench and MimiC's comparison).
@@ -52,7 +53,7 @@ class Scaffold(Strategy):
 
     def configure(self, state: State, t: int, task: TrainTask) -> TrainTask:
         corr = state["c"] - state["c_clients"][task.client]  # SCAFFOLD line 10: gradient + (c − c_i)
-        return dataclasses.replace(task, grad_correction=corr)
+        return dataclasses.replace(task, objectives=with_objective(task.objectives, Correction(corr), Correction))
 
     def aggregate(self, state: State, t: int, w: torch.Tensor,
                   updates: dict[int, ClientUpdate]) -> tuple[torch.Tensor, State]:
