@@ -363,3 +363,27 @@ def test_a_short_sim_on_each_loader_finishes_and_writes_metrics(tmp_path, kind):
     assert [r["round"] for r in rows] == [0, 1] and all(0 <= r["accuracy"] <= 1 for r in rows)
     assert json.loads((out / "config.json").read_text())["data"]["dataset"] == kind
     assert (out / "model.pt").exists()
+
+
+# --- the agent: its own shard, and a binding equal to the coordinator's ----------------------------------------------
+
+def test_an_agent_loads_its_writers_rows_and_binds_as_the_coordinator_does(tmp_path):
+    from coordinator import runsetup
+    from coordinator.config import SimConfig
+    from edge_client.agent import data as agent_data
+    from edge_client.agent.config import AgentConfig
+
+    _leaf_femnist(tmp_path)
+    sim = SimConfig()
+    sim.data.dataset, sim.data.data_dir, sim.data.partition, sim.data.clients = "leaf", str(tmp_path), "natural", 3
+    sim.model.model = "logreg"
+    ds = runsetup.load_dataset(sim)
+    shards = runsetup.client_data(ds, runsetup.binding_of(sim, ds))
+    agent = AgentConfig()
+    agent.data.dataset, agent.data.data_dir, agent.data.partition, agent.data.clients = "leaf", str(tmp_path), \
+        "natural", 3
+    agent.model.model, agent.agent.client = "logreg", 1
+    labels, x, y, tx, ty = agent_data.load_shard(agent)
+    assert torch.equal(x, shards[1][0]) and torch.equal(y, shards[1][1]) and len(y) == 3
+    assert np.array_equal(ty, ds.test.y.numpy()[[1]])      # writer 1's own test row
+    assert agent_data.binding_of(agent, labels) == runsetup.binding_of(sim, ds)
