@@ -242,6 +242,14 @@ def installed(name: object) -> type[LocalObjective]:
                           "provides it (entry point group dropfl.objectives)") from None
 
 
+def legacy(prox_mu: object, tensor: torch.Tensor | None) -> tuple[LocalObjective, ...]:
+    """The objectives of a task message in the older form, without `objectives`: meta `prox_mu` (FedProx's μ) and
+    the message's tensor as SCAFFOLD's correction."""
+    mu = float(prox_mu)   # type: ignore[arg-type]
+    return with_objective((Proximal(mu),) if mu else (), None if tensor is None else Correction(tensor.reshape(-1)),
+                          Correction)
+
+
 def decode(meta: object, tensor: torch.Tensor | None) -> tuple[LocalObjective, ...]:
     """`encode`'s inverse on the device. PluginError for an objective not installed here; ValueError/TypeError for
     a malformed list (tensor sizes that do not add up to the message's tensor, a bad parameter)."""

@@ -28,7 +28,7 @@ from coordinator.field.hub import FieldHub
 from coordinator.field.outage import LOSS_SETTLE_S
 from coordinator.field.sparse import update_tensors
 from coordinator.strategies.base import ClientUpdate
-from edge_client import feddd, wire
+from edge_client import feddd, objectives, wire
 from edge_client.models import set_flat
 from edge_client.report import ClientReport
 from edge_client.trainer import TrainTask
@@ -95,13 +95,16 @@ class MqttTransport:
         if device is None:
             return
         meta = {"lr": task.lr, "batch_size": task.batch_size, "epochs": task.epochs, "steps": task.steps,
-                "prox_mu": task.prox_mu, "seed": task.seed}
+                "seed": task.seed}
+        objs, tensor = objectives.encode(task.objectives)  # by registry name, their tensors as the message's
+        if objs:
+            meta["objectives"] = objs
         if digest is not None:  # the model this task trains on: the update must echo it (stale: rejected)
             meta["model_digest"] = digest
         if task.dropout_rate is not None:  # FedDD: upload 1 − D of the model, sparse (docs/protocol.md)
             meta |= {"dropout_rate": task.dropout_rate, "sparse_download": task.sparse_download}
         self.hub.publish_frames(f"device/{device}/control", wire.encode(
-            "task", self.hub.cfg.run_id, task.round, task.client, task.grad_correction, meta, self.hub.limits))
+            "task", self.hub.cfg.run_id, task.round, task.client, tensor, meta, self.hub.limits))
 
     def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]
                   ) -> tuple[dict[int, ClientUpdate], dict[int, str]]:

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from edge_client import feddd, wire
+from edge_client import feddd, objectives, wire
 from edge_client.agent.config import log, who
 from edge_client.telemetry import EvalMeter, RoundRecord
 from edge_client.trainer import TrainTask, local_train
@@ -135,14 +135,22 @@ class Work:
                      f"{digest}: training again", extra=who(self.id))
         try:
             steps, epochs, rate = m.get("steps"), m.get("epochs"), m.get("dropout_rate")
+            # the local objectives, looked up by name in this device's registry (never a module the message names);
+            # without `objectives`, the older form: `prox_mu` and a bare SCAFFOLD correction tensor
+            objs = objectives.decode(m["objectives"], msg.tensor) if "objectives" in m else \
+                objectives.legacy(m.get("prox_mu", 0.0), msg.tensor)
             task = TrainTask(client=self.client_idx, round=h.round, lr=float(m["lr"]),
                              batch_size=int(m["batch_size"]), epochs=None if epochs is None else int(epochs),
-                             steps=None if steps is None else int(steps), prox_mu=float(m.get("prox_mu", 0.0)),
-                             grad_correction=msg.tensor, seed=int(m["seed"]),
+                             steps=None if steps is None else int(steps), objectives=objs, seed=int(m["seed"]),
                              dropout_rate=None if rate is None else float(rate),
                              sparse_download=bool(m.get("sparse_download", False)))
             if task.dropout_rate is not None and not 0.0 <= task.dropout_rate <= 1.0:
                 raise ValueError(f"dropout_rate {task.dropout_rate} outside [0, 1]")
+        except objectives.PluginError as e:   # an objective not installed here: declined, with the name, at once
+            log.warning(f"round {h.round}: declined the task: {e}", extra=who(self.id))
+            self._publish("update/decline", wire.encode("decline", h.run, h.round, self.client_idx,
+                                                         meta={"reason": "declined", "detail": str(e)}))
+            return
         except (KeyError, TypeError, ValueError) as e:
             log.warning(f"rejected a malformed task for round {h.round}: {e!r}", extra=who(self.id))
             return
