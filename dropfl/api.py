@@ -47,6 +47,8 @@ def load_config(config: ConfigLike = None) -> SimConfig:
         raise UserError(f"config must be a SimConfig, a mapping of sections or a config file's path "
                         f"(got {type(config).__name__})")
     _config.validate(cfg, algos)
+    for line in _config.inert_settings(cfg):   # an option that does nothing here: one warning, as the CLI's
+        _config.log.warning("%s", line)
     return cfg
 
 
@@ -114,9 +116,10 @@ def replay(trace: PathLike, out: PathLike | None = None, *, config: ConfigLike =
         config = saved
     cfg = load_config(config)
     cfg.availability.kind, cfg.availability.trace = "replay", str(path)
+    cfg.availability.options = {}   # the recorded availability model's own options (a plugin's): not replay's
     cfg.availability.replay_selection = selection
-    if algo is not None:
-        cfg.strategy.algo = algo
+    if algo is not None and algo != cfg.strategy.algo:
+        cfg.strategy.algo, cfg.strategy.options = algo, {}   # the recorded strategy's options are its own
     _config.validate(cfg, _algos())   # the changed fields, checked as flags would be
     return _run_sim(cfg, out, resume=resume, overwrite=overwrite, progress=progress, what="replay")
 

@@ -176,6 +176,7 @@ def conform(spec: Spec, value):
 
 def parse(spec: Spec, raw: str):
     """The command line's text `raw` (of key=value) converted by the option's type; ValueError if it cannot be."""
+    raw = str(raw)   # a str subclass (config.Text) as a plain str
     word = raw.strip().lower()
     if spec.optional and word in NONE_WORDS:
         return None
