@@ -29,7 +29,7 @@ from edge_client import logs  # noqa: E402
 SUBCOMMANDS = ["coordinator.cli.sim", "coordinator.cli.trace", "coordinator.cli.provision", "coordinator.cli.client",
                "coordinator.cli.coordinator", "coordinator.cli.report", "coordinator.cli.trial",
                "coordinator.cli.reproduce", "coordinator.cli.links",
-               "coordinator.cli.dashboard", "coordinator.cli.plugins"]
+               "coordinator.cli.dashboard", "coordinator.cli.plugins", "coordinator.cli.flower"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,0 +1,1 @@
+"""flowerquickstart: Flower's PyTorch quickstart on a dropfl federation."""
