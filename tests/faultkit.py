@@ -127,7 +127,7 @@ class Trial:
             self.broker = Mosquitto(workdir=self.dir / "broker", hosts=self.links.hosts if self.links else ())
             port = self.broker.port
         else:
-            port = self.cluster.mqtt_ports[0]
+            port = self.cluster.mqtt_ports[-1]  # the last node: a cluster_node_kill scenario kills others
         self.watcher = Watcher(port)
         self.watcher.hooks.append(self._note_model)
         for i in range(sc.agents):
@@ -284,10 +284,21 @@ def run_scenario(sc: Scenario, d: Path, cluster=None, cluster_victims: tuple[int
     first = sc.at_round if sc.fault == "coordinator_kill_resume" else sc.at_round + 1
     later = [at for at, t in trial.models if ended and at >= ended[0] and t >= first]
     recover = later[0] - ended[0] if later else None
-    return check(sc, trial.out, d, wall, recover, trial.exits)
+    o = check(sc, trial.out, d, wall, recover, trial.exits)
+    o.notes["reconnects"] = reconnects(d)
+    return o
 
 
 # --- the invariants ---
+
+def reconnects(d: Path) -> dict[str, int]:
+    """Per process (client-i, coordinator): the reconnects its log shows (disconnects and failed connects)."""
+    out = {}
+    for log in sorted(d.glob("client-*.log")) + [d / "coordinator.log"]:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        out[log.stem] = len(re.findall(r"disconnected from the broker|could not connect to", text))
+    return out
+
 
 def sent_updates(logs: list[Path], run_id: str) -> set[tuple[int, int]]:
     """(round, client) of every update an agent logged as sent (all chunks acknowledged) in run `run_id`."""
@@ -439,6 +450,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("coordinator_kill_resume", "coordinator_kill_resume", at_round=2, rounds=4, agent=SLOW),
     Scenario("slow_uplink", "slow_uplink", at_round=0, coordinator=HB_TIMEOUT + ("--deadline", "4"),
              expect=slow_uploads(1, 3.0)),
-    Scenario("link_down", "link_down", hold_s=6.0, rounds=4, agent=SLOW, coordinator=HB_TIMEOUT,
-             allowed=drops_of(1, {"offline"}, range(1, 3))),
+    Scenario("link_down", "link_down", hold_s=6.0, agent=SLOW, coordinator=HB_TIMEOUT + ("--round-wait", "30"),
+             allowed=drops_of(1, {"offline"}, range(1, 2))),
 ]}
+
+# a 3-node RabbitMQ cluster (tests/rabbit.py), agent i on node i % 3 first, the coordinator on node 0 first: node 0
+# (the coordinator's and agent 0's) is killed with SIGKILL while round 1 is open and stays dead
+CLUSTER_NODE_KILL = Scenario("cluster_node_kill", "cluster_node_kill", agent=SLOW, expect=outage_in(1),
+                             timeout_s=300.0)

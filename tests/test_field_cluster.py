@@ -121,6 +121,59 @@ def test_an_announce_reply_is_no_rejoin_but_a_reconnect_is(tmp_path):
     assert 2 in r.rejoined and 2 not in r.dropped
 
 
+def test_reconnect_backs_off_with_jitter_and_takes_a_fresh_id_after_a_refusal():
+    """reconnect.py: the delay is drawn from [0.2, min(4, 0.2 * 2^k)] for k consecutive failures, a CONNACK
+    alone does not reset it (RabbitMQ accepts, then drops at the subscription), a SUBACK does; a connection
+    dropped before its SUBACK makes the next CONNECT use a fresh client id."""
+    import random
+
+    from edge_client.agent.reconnect import Reconnect
+
+    class Client:  # what on_lost sets on paho's client
+        _client_id = b"dropfl-client-0"
+
+        def reconnect_delay_set(self, min_delay, max_delay):
+            self.delay = (min_delay, max_delay)
+
+    r, c = Reconnect("dropfl-client-0", rng=random.Random(1)), Client()
+    r.on_connect(mid=7)
+    assert r.on_subscribe(7) and not r.on_subscribe(7)       # healthy once
+    assert r.on_lost(c) is None and c._client_id == b"dropfl-client-0"
+    assert c.delay[0] == c.delay[1] and 0.2 <= c.delay[0] <= 0.4   # k = 1 after a healthy connection
+    delays = []
+    for n in range(1, 8):                                      # accepted, then dropped before the SUBACK
+        r.on_connect(mid=10 + n)
+        assert r.on_lost(c) == f"dropfl-client-0-r{n}" and c._client_id == f"dropfl-client-0-r{n}".encode()
+        delays.append(c.delay[0])
+        assert 0.2 <= c.delay[0] <= min(4.0, 0.2 * 2 ** (n + 1))
+    assert max(delays) > 1.0 and len(set(delays)) == len(delays)    # growing, and jittered
+    assert r.reconnects == 8 and r.fresh_ids == 7 and r.sessions == 8
+    r.on_lost(c)                                               # a failed connect (no CONNACK): no new id
+    assert r.client_id == "dropfl-client-0-r7"
+    r.on_connect(mid=99)
+    assert r.on_subscribe(99) and r.failures == 0
+
+
+def test_a_status_of_the_connection_already_held_online_is_no_rejoin(tmp_path):
+    """A broker that re-delivers or backlogs an agent's statuses (RabbitMQ after a node returns): an online
+    status naming the connection (`session`) the coordinator already holds online re-sends nothing; one
+    naming a new connection is a rejoin."""
+    hub = make_hub(tmp_path)
+    r = hub.round = RoundState(0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
+    status(hub, 1, "online", session="ab:1")
+    assert r.rejoined == {1}                 # the first status naming its session: a (re)connect
+    r.rejoined.clear()
+    for _ in range(50):                      # the same status, delivered again and again
+        status(hub, 1, "online", session="ab:1")
+    assert not r.rejoined
+    status(hub, 1, "online", session="ab:2")  # it reconnected
+    assert r.rejoined == {1}
+    r.rejoined.clear()
+    status(hub, 1, "offline")
+    status(hub, 1, "online", session="ab:2")  # held offline: back, whatever the session
+    assert r.rejoined == {1}
+
+
 # --- slow: real brokers ---
 def agent_config(i: int, brokers: list[str], out: Path, clients: int, **agent) -> Path:
     cfg = {"agent": {"client": i, "broker": brokers, "heartbeat_s": 0.3, "out": str(out / f"client-{i}"),
@@ -327,6 +380,40 @@ def test_cluster_node_stopped_mid_run_agents_fail_over_and_run_equals_replay(clu
           f"{[r['participants'] for r in rows]}, dropped {[r['dropped'] for r in rows]}, duplicates "
           f"{[r['duplicates'] for r in rows]} (total {dups}), max diff to replay {diff:.2e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others(tmp_path):
+    """A 3-node cluster; node 1 (the coordinator's and agent 0's first URL) is killed with SIGKILL while round 1
+    is open and stays dead. RabbitMQ then refuses a client whose clean session's QoS 1 queue was homed there on
+    every node (`home node ... is down`) until the node returns; the clients take a fresh client id after such a
+    refusal (edge_client/agent/reconnect.py), so they resume on the live nodes: the run completes with the fault
+    harness's invariants held (tests/faultkit.py: participants real, drops true, nothing lost or aggregated
+    twice, replay bit for bit), the coordinator's outage recorded in round 1, a few reconnects per process (no
+    storm), and the dead node's clients on fresh ids."""
+    if why := rabbit.missing():
+        pytest.skip(why)
+    from faultkit import CLUSTER_NODE_KILL, Trial, run_scenario
+    rc = rabbit.RabbitCluster(tmp_path / "rabbit", nodes=3, timeout_s=240)
+    try:
+        for name in ["coordinator"] + [f"client-{i}" for i in range(CLUSTER_NODE_KILL.agents)]:
+            rc.add_user(name, Trial.cluster_password)
+        o = run_scenario(CLUSTER_NODE_KILL, tmp_path / "trial", cluster=rc, cluster_victims=(0,))
+        queues = rc.ctl(2, "list_queues", "name", "pid")
+        restart_s = rc.start_node(0)
+        after = rc.ctl(2, "list_queues", "name", "pid")
+    finally:
+        rc.close()
+    print(f"3 nodes up in {rc.timings['start_s']:.1f} s; recorded {o.recorded}; recovered in {o.recover_s} s; "
+          f"reconnects {o.notes['reconnects']}; node 1 back in {restart_s:.1f} s\nqueues while down:\n{queues}"
+          f"\nqueues after its restart:\n{after}")
+    o.assert_held()
+    logs = {i: (tmp_path / "trial" / f"client-{i}.log").read_text() for i in range(CLUSTER_NODE_KILL.agents)}
+    assert "as dropfl-client-0-r1" in logs[0]              # refused on its old id, then a fresh one
+    assert "dropfl-coordinator-" in (tmp_path / "trial" / "coordinator.log").read_text()
+    assert all(n <= 10 for n in o.notes["reconnects"].values()), o.notes["reconnects"]  # no storm
+    assert o.recorded["participants"][-1] == CLUSTER_NODE_KILL.agents
 
 
 @pytest.mark.slow

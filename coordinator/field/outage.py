@@ -43,6 +43,9 @@ PROBE_EVERY_S = 0.5      # the coordinator publishes a probe to itself through t
 BROKER_SILENT_S = 3.0    # nothing at all from the broker for this long, its connection open: an outage
 AGENT_RECONNECT_S = 3.0  # an agent's own reconnect after an outage: paho's backoff (at most 2 s) and the connect
 LOG_EVERY_S = 10.0       # while waiting for the broker, say so this often
+# an agent's silence counts only up to this long after the broker's last delivery to us (registry.py `is_online`):
+# more than PROBE_EVERY_S, the echo of our own probe, so that while the broker answers it is always now
+CONTACT_SLACK_S = 1.0
 # a round whose last outstanding clients went offline less than this ago does not close yet: a broker that
 # is going down may send their last wills just before it cuts the coordinator off (`_outage_ended` undoes them)
 LOSS_SETTLE_S = 0.5

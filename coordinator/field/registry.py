@@ -23,6 +23,7 @@ import numpy as np
 from coordinator.availability.models import REASONS, RoundAvailability
 from coordinator.field import checks as field_checks
 from coordinator.field.connection import FieldConfig
+from coordinator.field.outage import CONTACT_SLACK_S
 from edge_client import federation, wire
 
 if TYPE_CHECKING:
@@ -123,9 +124,14 @@ class Registry:
     def is_online(self, a: AgentInfo, now: float) -> bool:
         """Announced online, heard from within the heartbeat timeout (anything the device sent counts:
         a heartbeat, a status, a chunk of an upload; FieldHub._dispatch sets `last_seen`), and at least one
-        heartbeat seen (it carries the agent's availability)."""
+        heartbeat seen (it carries the agent's availability). An agent's silence counts only while the broker
+        answers: up to CONTACT_SLACK_S past the broker's last delivery to us (`last_contact`, outage.py; the
+        coordinator's own probe comes back every PROBE_EVERY_S), so a frozen broker's silence, noticed only
+        after BROKER_SILENT_S, never makes its agents `offline` first."""
+        last_contact = getattr(self, "last_contact", 0.0)
+        ref = now if not last_contact else min(now, last_contact + CONTACT_SLACK_S)
         return a.online and bool(a.heartbeat) and \
-            now - max(a.last_seen, a.last_heartbeat) <= self.cfg.heartbeat_timeout_s
+            ref - max(a.last_seen, a.last_heartbeat) <= self.cfg.heartbeat_timeout_s
 
     def client_status(self, c: int, now: float) -> str | None:
         """None if client c may take part now, else the reason."""
