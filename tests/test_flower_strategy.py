@@ -371,3 +371,44 @@ def test_a_state_of_another_strategy_is_refused():
 def test_an_unknown_strategy_is_one_line():
     with pytest.raises(UserError, match="--algo: "):
         DropflStrategy("no-such-algo", LOOP)
+
+
+PLUGIN = '''
+"""A user's strategy plugin: FedAvg with server momentum, its state a model-sized vector."""
+import torch
+
+from coordinator.strategies.base import Strategy, mean_delta
+
+
+class Momentum(Strategy):
+    name = "momentum"
+
+    def __init__(self, *, weighting="uniform"):
+        self.weighting = weighting
+
+    def init_state(self, n_clients, w0):
+        return {"v": torch.zeros_like(w0)}
+
+    def aggregate(self, state, t, w, updates):
+        if not updates:
+            return w, state
+        v = 0.9 * state["v"] + mean_delta(updates, self.weighting)
+        return w - v, {**state, "v": v}
+'''
+
+
+def test_a_strategy_plugin_is_wrapped_by_name_or_as_an_instance(tmp_path, monkeypatch):
+    (tmp_path / "flower_plugin_momentum.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    algo = "flower_plugin_momentum:Momentum"
+    config = StrategyConfig(algo=algo)
+    w_loop, state_loop, _ = run_loop(algo, config, tmp_path)
+    w_flower, s, _ = run_flower(algo, config, len(ROUNDS))
+    assert s.name == "momentum" and torch.equal(w_flower, w_loop)
+    assert_same_state(s.state, state_loop)
+    instance = DropflStrategy(build_dropfl_strategy(algo, config, LOOP), LOOP, participation=ROUNDS)
+    grid, arrays = FakeGrid(flower_train(False, [])), w0_arrays()
+    for r in range(1, len(ROUNDS) + 1):
+        arrays, _ = instance.aggregate_train(r, grid.send_and_receive(instance.configure_train(r, arrays,
+                                                                                                ConfigRecord(), grid)))
+    assert torch.equal(to_vector(arrays), w_loop)
