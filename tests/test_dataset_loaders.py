@@ -387,3 +387,22 @@ def test_an_agent_loads_its_writers_rows_and_binds_as_the_coordinator_does(tmp_p
     assert torch.equal(x, shards[1][0]) and torch.equal(y, shards[1][1]) and len(y) == 3
     assert np.array_equal(ty, ds.test.y.numpy()[[1]])      # writer 1's own test row
     assert agent_data.binding_of(agent, labels) == runsetup.binding_of(sim, ds)
+
+
+def test_an_image_folder_of_mixed_sizes_loads_resized_by_a_plugin_that_gives_a_size(tmp_path, monkeypatch):
+    (tmp_path / "dropfl_test_photos.py").write_text(
+        "from edge_client.datasets_files import load_image_folder\n\n\n"
+        "def photos(data_dir):\n    return load_image_folder(data_dir, size=(4, 6))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "img"
+    _folder(root)
+    odd = root / "test" / "cat" / "5.png"
+    Image.fromarray(RNG.integers(0, 256, (8, 9), dtype=np.uint8), "L").save(odd)
+    with pytest.raises(datasets.DatasetError, match=f"{odd} is 1x8x9"):
+        datasets.load("imagefolder", str(root))
+    ds = datasets.load("dropfl_test_photos:photos", str(root))
+    sys.modules.pop("dropfl_test_photos", None)
+    assert ds.train.x.shape == (6, 1, 4, 6) and ds.test.x.shape == (5, 1, 4, 6)
+    with Image.open(odd) as im:
+        want = np.array(im.convert("L").resize((6, 4), Image.Resampling.BILINEAR))
+    assert torch.equal(ds.test.x[-1, 0], torch.from_numpy(want).to(torch.float32) / 255)
