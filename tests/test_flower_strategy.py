@@ -152,6 +152,10 @@ class FakeGrid:
             ctx = context(msg.metadata.dst_node_id, {"partition-id": pid, "num-partitions": len(self.ids)})
             if msg.metadata.message_type == MessageType.QUERY:
                 replies.append(partition_reply(msg, ctx))
+            elif msg.metadata.message_type == MessageType.EVALUATE:
+                acc = 0.5 + 0.1 * pid   # partition i: accuracy 0.5 + 0.1 i on 10 (i + 1) examples
+                replies.append(Message(RecordDict({METRICS: MetricRecord({"num-examples": 10 * (pid + 1),
+                                                                          "accuracy": acc})}), reply_to=msg))
             elif pid in self.fail:
                 replies.append(Message(Error(code=0, reason="ClientApp raised"), reply_to=msg))
             elif pid not in self.lose:
@@ -412,3 +416,37 @@ def test_a_strategy_plugin_is_wrapped_by_name_or_as_an_instance(tmp_path, monkey
         arrays, _ = instance.aggregate_train(r, grid.send_and_receive(instance.configure_train(r, arrays,
                                                                                                 ConfigRecord(), grid)))
     assert torch.equal(to_vector(arrays), w_loop)
+
+
+def test_federated_evaluation_averages_by_examples_and_is_off_by_default():
+    grid = FakeGrid()
+    off = DropflStrategy("fedavg", LOOP)
+    assert off.configure_evaluate(1, w0_arrays(), ConfigRecord(), grid) == []
+    on = DropflStrategy("fedavg", LOOP, evaluate=True)
+    msgs = list(on.configure_evaluate(1, w0_arrays(), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == sorted(NODE_IDS)
+    metrics = on.aggregate_evaluate(1, grid.send_and_receive(msgs))
+    want = sum(10 * (i + 1) * (0.5 + 0.1 * i) for i in range(N)) / sum(10 * (i + 1) for i in range(N))
+    assert metrics["accuracy"] == pytest.approx(want, rel=1e-12)
+    assert on.aggregate_evaluate(1, []) is None
+
+
+class ViewGrid(FakeGrid):
+    """A grid listing only some nodes (as dropfl/flower/availability.py's view of the round's available ones)."""
+
+    def __init__(self, train, visible):
+        super().__init__(train)
+        self.visible = visible
+
+    def get_node_ids(self):
+        return [NODE_IDS[i] for i in self.visible]
+
+
+def test_only_listed_nodes_are_selected_and_the_rest_is_not_connected():
+    s = DropflStrategy("fedavg", LOOP, nodes=NodeMap([(NODE_IDS[i], i) for i in range(N)]))
+    grid = ViewGrid(flower_train(False, []), [0, 3, 4])
+    msgs = list(s.configure_train(1, w0_arrays(), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in msgs) == sorted(NODE_IDS[i] for i in (0, 3, 4))
+    s.aggregate_train(1, grid.send_and_receive(msgs))
+    assert s.history[0]["reasons"] == {1: "not_connected", 2: "not_connected"}
+    assert s.history[0]["participants"] == 3 and s.history[0]["dropped"] == {}

@@ -81,8 +81,10 @@ STATE, MODEL, META = "dropfl.state", "dropfl.model", "dropfl.meta"   # what is k
 # Reasons of a selected client whose update was not aggregated because of Flower (coordinator/availability REASONS,
 # as dropfl/flower/availability.py records them): no reply within the round's timeout is "deadline"; an error reply
 # is "offline" where Flower says the node is gone, "deadline" where the message or its reply expired, else
-# "rejected" (the ClientApp raised, a mod refused), with Flower's code and reason in `history`; a partition that
-# no connected node holds is "offline".
+# "rejected" (the ClientApp raised, a mod refused), with Flower's code and reason in `history`.
+# A partition that no node in grid.get_node_ids() holds is NOT_CONNECTED: not connected to this run, or hidden by an
+# availability wrapper's grid (dropfl/flower/availability.py), which records its own reason; never a device's state.
+NOT_CONNECTED = "not_connected"
 ERROR_REASONS = {ErrorCode.NODE_UNAVAILABLE: "offline", ErrorCode.MESSAGE_UNAVAILABLE: "deadline",
                  ErrorCode.REPLY_MESSAGE_UNAVAILABLE: "deadline"}
 # ClientReport fields a reply may carry as metrics (FedDD's allocation, FedCS's estimates)
@@ -282,7 +284,7 @@ class DropflStrategy(FlowerStrategy):
         connected = np.zeros(n, dtype=bool)
         connected[[self.nodes.partition(i) for i in grid.get_node_ids() if self.nodes.has_node(i)]] = True
         reasons = dict(getattr(avail, "reasons", {}) or {})
-        reasons.update({int(i): "offline" for i in np.flatnonzero(available & ~connected)})  # no node holds it
+        reasons.update({int(i): NOT_CONNECTED for i in np.flatnonzero(available & ~connected)})
         available &= connected
         rng = np.random.default_rng([self.loop.seed, t, 0x5E1])   # the round loop's per-round generator
         selected = self.strategy.select(self.state, t, available, rng)
@@ -331,7 +333,7 @@ class DropflStrategy(FlowerStrategy):
             dropped[i] = reason
         for i in r.selected:
             if i not in r.sent and i not in dropped:
-                dropped[i] = "offline"    # no connected node holds it (a replayed selection)
+                dropped[i] = NOT_CONNECTED   # a replayed selection of a partition that no listed node holds
         w, self.state = self.strategy.aggregate(self.state, r.t, r.w, updates)
         if not torch.isfinite(w).all():
             raise FloatingPointError(f"round {r.t}: the global model is no longer finite (lr too high?)")
