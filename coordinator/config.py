@@ -98,7 +98,8 @@ def options_field(kind: str, flag: str):
 class DataConfig:
     dataset: str = opt("fmnist", "dataset (a plugin: module:attr or an entry point of dropfl.datasets)",
                        Names(REGISTRIES["data.dataset"]))
-    data_dir: str | None = opt(None, "directory with the dataset files (required for cifar10)")
+    data_dir: str | None = opt(None, "the dataset's directory, or its .npz file (required for cifar10, npz, "
+                                     "imagefolder, leaf: docs/datasets.md)")
     partition: str = opt("shards", "non-IID partitioner (shards-distinct: shards, no two of one class per client; "
                                    "fdms-clustered-80-20: fdms-clustered, each client trains on 80%% of its samples "
                                    "as the FL-FDMS code; a plugin: module:attr or an entry point of "
