@@ -110,17 +110,32 @@ class RabbitCluster:
             self.procs[i] = subprocess.Popen([str(SERVER)], env=env, stdout=out, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def _wait(self, i: int) -> None:
+    def _wait(self, i: int, retries: int = 2) -> None:
+        """Wait until node i runs. A node that exits at start because one of its ports was taken meanwhile (the
+        ports are picked free, then bound by the node: another process may take one first on a busy machine)
+        is started again on fresh ports (its MQTT port too, unless it has run before), `retries` times."""
         pid_file = self.dir / f"node{i + 1}" / "rabbit.pid"
+        out = self.dir / f"node{i + 1}" / "server.out"
         deadline = time.monotonic() + self.timeout_s
-        while not pid_file.exists():  # the server writes it early; `wait` needs it
+        while True:
             if self.procs[i].poll() is not None:
+                if retries > 0 and "eaddrinuse" in (out.read_text(errors="replace") if out.exists() else ""):
+                    out.write_text("")
+                    pid_file.unlink(missing_ok=True)
+                    if i not in self.stopped:
+                        self.mqtt_ports[i] = free_port()
+                    self._start(i)
+                    return self._wait(i, retries - 1)
                 raise RuntimeError(f"{self.names[i]} exited at start:\n{self.log_tail(i)}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.names[i]} wrote no pid file in {self.timeout_s:g} s:\n{self.log_tail(i)}")
+                raise RuntimeError(f"{self.names[i]} did not start in {self.timeout_s:g} s:\n{self.log_tail(i)}")
+            if pid_file.exists():  # the server writes it early; `wait` needs it
+                try:
+                    self.ctl(i, "wait", "--timeout", "10", str(pid_file), timeout=30)
+                    return
+                except (RuntimeError, subprocess.TimeoutExpired):
+                    continue  # not up yet, or it exited: the loop looks again
             time.sleep(0.2)
-        left = max(deadline - time.monotonic(), 1)
-        self.ctl(i, "wait", "--timeout", str(int(left)), str(pid_file), timeout=left + 10)
 
     def _wait_mqtt(self, i: int) -> None:
         deadline = time.monotonic() + self.timeout_s
