@@ -326,7 +326,7 @@ def to_tensor(x: np.ndarray, where: str) -> torch.Tensor:
 def check_labels(y: np.ndarray, num_classes: int, where: str) -> np.ndarray:
     """y as int64 [n], refused (one line) unless integer class indices in 0..num_classes-1."""
     y = np.asarray(y)
-    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_):
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
         raise DatasetError(f"{where}: labels of dtype {y.dtype} and shape {tuple(y.shape)}; give integer class "
                            f"indices, one per row")
     if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):

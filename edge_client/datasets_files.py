@@ -387,13 +387,14 @@ def _leaf_text(s: object, path: Path, user: str) -> list[int]:
 
 def _leaf_x(xs: list, text: bool, path: Path, user: str) -> np.ndarray:
     """One user's x rows: character indices (Shakespeare) or numbers (FEMNIST: 784 floats), as float32."""
-    if text:
-        return np.array([_leaf_text(s, path, user) for s in xs], dtype=np.float32).reshape(len(xs), -1)
     try:
+        if text:
+            return np.array([_leaf_text(s, path, user) for s in xs], dtype=np.float32).reshape(len(xs), -1)
         return np.array(xs, dtype=np.float32).reshape(len(xs), -1)
     except (ValueError, TypeError):
-        raise DatasetError(f"leaf: {path} user {user!r} has x rows that are not lists of numbers of one length: "
-                           f"give LEAF's preprocessed data") from None
+        what = "strings" if text else "lists of numbers"
+        raise DatasetError(f"leaf: {path} user {user!r} has x rows that are not {what} of one length: give LEAF's "
+                           f"preprocessed data") from None
 
 
 def _leaf_y(ys: list, text: bool, path: Path, user: str) -> np.ndarray:
@@ -414,13 +415,16 @@ class LeafSplit:
     among the training users, -1 for a test user who has no training data) kept, x re-read by `rows` from the
     files that hold the rows asked for."""
 
-    def __init__(self, files: list[Path], text: bool, users: dict[str, int] | None):
+    def __init__(self, files: list[Path], users: dict[str, int] | None, text: bool | None = None):
         self.files, self.text = files, text
         ys, owners, self.starts, self.users = [], [], [], dict(users or {})
         n = 0
         for path in files:
             self.starts.append(n)
-            for u, _, y in _leaf_parse(path):
+            for u, x, y in _leaf_parse(path):
+                if self.text is None and x:
+                    self.text = isinstance(x[0], str)   # Shakespeare: strings; FEMNIST: lists of numbers
+                text = bool(self.text)
                 if users is None:
                     if u in self.users:
                         raise DatasetError(f"leaf: {path} repeats user {u!r} of an earlier file: give each user "
@@ -468,14 +472,6 @@ class LeafSplit:
         return x[0], int(y[0])
 
 
-def _leaf_is_text(files: list[Path]) -> bool:
-    for path in files:
-        for _, x, _ in _leaf_parse(path):
-            if x:
-                return isinstance(x[0], str)
-    return False
-
-
 def load_leaf(data_dir: str | None) -> Dataset:
     """`--dataset leaf --data-dir DIR`: LEAF's DIR/train/*.json and DIR/test/*.json. FEMNIST (x: 784 floats, kept
     as they are, as 1x28x28; y: 0..61) and any numeric LEAF data (x: n numbers, a square number as 1xHxH, else
@@ -487,9 +483,9 @@ def load_leaf(data_dir: str | None) -> Dataset:
                            "directories of JSON files")
     root = Path(data_dir)
     train_files, test_files = _leaf_files(root, "train"), _leaf_files(root, "test")
-    text = _leaf_is_text(train_files)
-    train = LeafSplit(train_files, text, None)
-    test = LeafSplit(test_files, text, train.users)
+    train = LeafSplit(train_files, None)
+    text = bool(train.text)
+    test = LeafSplit(test_files, train.users, text)
     if not len(train):
         raise DatasetError(f"leaf: {root / 'train'} holds no samples: give LEAF's training JSON files")
     k = len(LEAF_LETTERS) if text else max(int(train.targets.max()), int(test.targets.max(initial=-1))) + 1
