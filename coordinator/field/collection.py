@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 
 from coordinator.availability.models import REASONS
 from coordinator.field import checks as field_checks
+from coordinator.field import closing
 from coordinator.field.connection import FieldConfig
 from coordinator.field.registry import AgentInfo
 from coordinator.field.sparse import is_sparse, sparse_problem
@@ -58,19 +61,14 @@ class UploadProgress:
         return {"chunks": len(self.got), "of": self.chunks, "bytes": self.body_bytes,
                 "seconds": self.last_at - self.first_at, "done": self.done}
 
+    def view(self, client: int, updated: bool = False) -> closing.Upload:
+        """What the closing rule reads of it (coordinator/field/closing.py)."""
+        return closing.Upload(client, self.chunks, len(self.got), self.first_at, self.last_at, self.done, updated)
+
 
 def keeps_open(p: UploadProgress, now: float, timeout_s: float, hard_end: float) -> bool:
-    """The deadline's extension rule: an upload in progress keeps its round open past the deadline while
-    (1) its chunks keep arriving: the latest within max(`timeout_s` (the heartbeat timeout), 3 chunk
-    intervals at the measured rate), and (2) at the rate they arrive, the rest arrives by `hard_end`
-    (deadline + upload_extension_s): latest arrival + missing chunks / chunk rate ≤ hard_end (with a single
-    chunk so far, the rate is unknown and (1) with `timeout_s` and `hard_end` bound it alone). Never past
-    `hard_end`."""
-    rate = p.chunk_rate()
-    stalled_after = timeout_s if rate is None else max(timeout_s, 3.0 / rate)
-    if p.done or now >= hard_end or now - p.last_at > stalled_after:
-        return False
-    return rate is None or p.last_at + (p.chunks - len(p.got)) / rate <= hard_end
+    """The deadline's extension rule for an upload in progress (`closing.keeps_open`)."""
+    return closing.keeps_open(p.view(-1), now, timeout_s, hard_end)
 
 
 @dataclass
@@ -92,9 +90,44 @@ class RoundState:
     rejected: int = 0
     rejects: dict[str, int] = field(default_factory=dict)  # messages rejected during the round, by code
     closed: bool = False
+    # the closing rule's bookkeeping (coordinator/field/closing.py), kept per client as messages arrive (`note`):
+    open: set[int] = field(default_factory=set)     # selected, neither resolved nor gone: still owed something
+    gone: set[int] = field(default_factory=set)     # selected, found offline (last will, silence) in the round
+    offline: set[int] = field(default_factory=set)  # dropped `offline` without an update (lost)
+    lost_at: float = float("-inf")                  # when a selected client was last lost without an update
+    past_deadline: bool = False                     # set by the round loop: from then on every change matters
+
+    def __post_init__(self) -> None:
+        self.open = set(self.tasks)
 
     def resolved(self, c: int) -> bool:
         return c in self.dropped or (c in self.updates and c in self.stats)
+
+    def note(self, c: int, now: float | None = None) -> bool:
+        """Re-file client c after its state changed (an update, stats, a drop, gone or back): O(1). `now`: the
+        time of a loss. True if the change may change the closing rule's decision: the last open client
+        resolved, a client lost while no update is in (the round may have nobody left), or anything past the
+        deadline; the round loop is then woken (`Collection._changed`)."""
+        if c not in self.tasks:
+            return False
+        was_open = c in self.open
+        if self.resolved(c) or c in self.gone:
+            self.open.discard(c)
+        else:
+            self.open.add(c)
+        lost = c not in self.updates and (self.dropped.get(c) == "offline" or c in self.gone)
+        if lost and c not in self.offline and now is not None:
+            self.lost_at = now
+        if c not in self.updates and self.dropped.get(c) == "offline":
+            self.offline.add(c)
+        else:
+            self.offline.discard(c)
+        return self.past_deadline or (was_open and not self.open) or (lost and not self.updates)
+
+    def recount(self) -> None:
+        """Re-file every client (after a change made to the round wholesale: an outage's end undoing drops)."""
+        for c in self.tasks:
+            self.note(c)
 
 
 class Collection:
@@ -106,6 +139,7 @@ class Collection:
     num_params: int
     limits: wire.Limits
     agents: dict[str, AgentInfo]
+    wake: threading.Condition  # the round loop waits on it (under the hub's lock): notified by `_changed`
 
     def _init_collection(self, rundir_path: Path) -> None:
         self.reasm = wire.Reassembler(self.limits)
@@ -130,19 +164,36 @@ class Collection:
                     extra={"fields": {"code": code, "device": device, "topic": sub,
                                       "round": None if r is None else r.t}})
 
+    def _wake(self) -> None:
+        with self.wake:  # held already on paho's thread (an RLock); a caller without it (a test) takes it
+            self.wake.notify_all()
+
+    def _changed(self, r: RoundState, c: int, now: float | None = None) -> None:
+        """Client c's state in round r changed: re-file it (`RoundState.note`, O(1)) and wake the round loop only
+        if that may change the closing rule's decision (coordinator/field/closing.py)."""
+        if r.note(c, now):
+            self._wake()
+
     # --- hooks for the registry: an agent of the open round came (back) online or went offline ---
     def _agent_online(self, c: int) -> None:
         r = self.round
-        if r is not None and not r.closed and c in r.tasks and c not in r.updates:
-            if r.dropped.get(c) == "offline":  # back within the round: give it the task again
-                del r.dropped[c]
-            if not r.resolved(c):
-                r.rejoined.add(c)
+        if r is not None and not r.closed and c in r.tasks:
+            r.gone.discard(c)  # heard from again: its stats (after an update) are due again
+            if c not in r.updates:
+                if r.dropped.get(c) == "offline":  # back within the round: give it the task again
+                    del r.dropped[c]
+                if not r.resolved(c):
+                    r.rejoined.add(c)
+                    self._wake()  # the round loop re-sends it the task and the model
+            self._changed(r, c)
 
     def _agent_offline(self, c: int) -> None:
         r = self.round
-        if r is not None and not r.closed and c in r.tasks and c not in r.updates:
-            r.dropped.setdefault(c, "offline")
+        if r is not None and not r.closed and c in r.tasks:
+            if c not in r.updates:
+                r.dropped.setdefault(c, "offline")
+            r.gone.add(c)  # its update (if complete) still counts; its stats will not come
+            self._changed(r, c, now=time.monotonic())
 
     # --- messages (paho network thread, under cond) ---
     def _on_round_message(self, device: str, sub: str, payload: bytes, now: float) -> None:
@@ -179,6 +230,7 @@ class Collection:
             self._reject(device, sub, e.code, e.reason)
             if a.client in r.tasks and not r.resolved(a.client) and a.client not in r.updates:
                 r.dropped[a.client] = "rejected"
+                self._changed(r, a.client)
             return
         if kinds == ("update",):
             body = len(payload) - 8 - int.from_bytes(payload[4:8], "big")  # the frame's tensor bytes
@@ -201,11 +253,13 @@ class Collection:
             reason = m.meta.get("reason")
             if c not in r.updates:
                 r.dropped.setdefault(c, reason if reason in REASONS else "declined")
+                self._changed(r, c)
         elif m.kind == "stats":
             problem = field_checks.stats(m)
             if problem:  # the update (if valid) still counts, without the upload rates
                 self._reject(device, sub, *problem)
             r.stats.setdefault(c, {} if problem else m.meta)
+            self._changed(r, c)
         elif c in r.updates:
             r.duplicates += 1
         elif c in r.dropped:
@@ -222,6 +276,7 @@ class Collection:
                 self._reject(device, sub, *problem)
             else:
                 r.updates[c], r.received_at[c] = m, now
+            self._changed(r, c)
 
     def _note_progress(self, r: RoundState, c: int, body_bytes: int, now: float, done: bool) -> None:
         """Count a chunk of client c's update of this round (`reasm.last`: the chunk's header)."""

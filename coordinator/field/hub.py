@@ -7,7 +7,11 @@
 
 The hub holds what they share (`cfg`, `n`, `binding`, `num_params`, `limits`) and the lock `cond`:
 paho's network thread writes under it, the loop's thread (MqttTransport, FieldAvailability) reads and
-waits on it. `_dispatch` routes a device's message to the part that owns it and notes that the device is
+waits on it. `wake`, a second condition on the same lock, is the open round's: `MqttTransport.run_round`
+waits on it, and it is notified only by what may change the round-closing rule's decision
+(coordinator/field/closing.py): a change of a selected client's state that `RoundState.note` says matters,
+a rejoin, the beginning and the end of a broker outage; never by every message.
+`_dispatch` routes a device's message to the part that owns it and notes that the device is
 alive (`AgentInfo.last_seen`: every message counts, docs/field-mode.md "Liveness").
 """
 
@@ -32,7 +36,9 @@ class FieldHub(Connection, Registry, Collection, Absence):
                  rundir_path: Path):
         self.cfg, self.n, self.binding, self.num_params = cfg, n_clients, binding, num_params
         self.limits = wire.Limits(chunk_bytes=cfg.chunk_bytes, max_tensor_bytes=cfg.max_tensor_bytes)
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        self.wake = threading.Condition(lock)  # the open round's (above)
         self._init_collection(rundir_path)
         self._init_registry()
         self._init_absence()
@@ -48,3 +54,16 @@ class FieldHub(Connection, Registry, Collection, Absence):
         a = self.agents.get(device)
         if a is not None and not retained:  # liveness: anything from the device is life (a chunk too)
             a.last_seen = now
+
+    # --- a broker outage suspends the open round and its end may undo drops (outage.py): the round loop looks ---
+    def _outage_began(self, since: float | None = None) -> None:
+        super()._outage_began(since)
+        self._wake()
+
+    def _outage_ended(self) -> None:
+        super()._outage_ended()
+        r = self.round
+        if r is not None and not r.closed:  # the agents it awaits are not gone (their last wills count for nothing)
+            r.gone -= {a.client for d in self.expected_back if (a := self.agents.get(d)) is not None}
+            r.recount()
+        self._wake()

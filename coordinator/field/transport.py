@@ -4,7 +4,8 @@
 (`export_onnx`), then waits — on the hub's condition variable, fed by paho's network thread, never by
 polling sleeps — until every selected client has delivered a complete, valid update (and its upload
 stats), declined, or gone offline, or until the deadline (extended while an upload keeps arriving,
-`collection.keeps_open`); it re-sends the task, model and ONNX to an agent that rejoins on its own control
+`collection.keeps_open`; the rule: `closing.close`, evaluated only when a message may change its decision or
+its time comes); it re-sends the task, model and ONNX to an agent that rejoins on its own control
 topic, and re-broadcasts what is outstanding after the coordinator reconnects. Tasks and models carry the
 model's digest (`wire.model_digest`). It then turns the updates into `ClientUpdate`s and
 writes the round's row of `field.jsonl` and a row per aggregated device in `telemetry.jsonl`. The hub
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from coordinator.field import telemetry
-from coordinator.field.collection import RoundState, keeps_open
+from coordinator.field import closing, telemetry
+from coordinator.field.collection import RoundState
 from coordinator.field.hub import FieldHub
 from coordinator.field.outage import LOSS_SETTLE_S
 from coordinator.field.sparse import update_tensors
@@ -34,13 +35,6 @@ from edge_client.report import ClientReport
 from edge_client.trainer import TrainTask
 
 log = logging.getLogger("dropfl.coordinator")
-
-# The round's bookkeeping pass (who is gone, resolved, lost; the deadline; what to re-send) visits every selected
-# client. Every message wakes the loop, so running it on each wake cost O(K) per message, O(K²) a round: 18 % of
-# the coordinator's CPU with 1,000 agents (benchmarks/results/field_load_profile.md). It runs at most once per
-# SCAN_EVERY_S, and at once on a reconnect or a rejoin; a wake in between only waits again. A round closes at
-# most SCAN_EVERY_S after its last message, far below any deadline or heartbeat timeout.
-SCAN_EVERY_S = 0.05
 
 
 def export_onnx(model: torch.nn.Module, w: torch.Tensor, input_shape: tuple[int, ...]) -> bytes:
@@ -73,7 +67,7 @@ class MqttTransport:
 
     def __init__(self, hub: FieldHub, model: torch.nn.Module, input_shape: tuple[int, ...], onnx_path: Path):
         self.hub, self.model, self.input_shape, self.onnx_path = hub, model, input_shape, onnx_path
-        self.scans = 0  # bookkeeping passes over the round's clients, all rounds (SCAN_EVERY_S; tests read it)
+        self.scans = 0  # evaluations of the closing rule, all rounds (tests read it: not one per message)
         hub.layout = feddd.unit_layout(model)
         self.stats: dict[str, float] = {}
         self._empty_mark = hub.empty_time(time.monotonic())  # empty-federation time counted in earlier rounds
@@ -122,57 +116,52 @@ class MqttTransport:
             # time disconnected from the broker (outage.py) and suspended with nobody there (absence.py)
             down = hub.downtime(start) + hub.empty_time(start)
             outage0 = hub.downtime(start)
-            lost_at: dict[int, float] = {}  # selected clients lost (offline) without an update, since when
         for task in tasks:  # tasks first: an agent then trains before it evaluates the ONNX model
             self._publish_task(task, r.digest)
         self._publish_model(t, w, onnx_bytes, r.digest)
         deadline = time.monotonic() + hub.cfg.deadline_s  # from the publish; wall_s counts the export too
         hard_end, extended = deadline + hub.cfg.upload_extension_s, False
-        last_scan = float("-inf")
+        check_at = float("-inf")  # when to look at the open clients' liveness next (-inf: now)
         with hub.cond:
             while True:
-                if hub.down_since is not None:  # a broker outage: nobody is dropped, the round stays open
-                    hub.wait_for_broker(f"round {t} is suspended")  # BrokerOutage after --broker-outage-timeout
-                    continue
                 now = time.monotonic()
-                if now - last_scan < SCAN_EVERY_S and hub.connects == seen_connects and not r.rejoined:
-                    hub.cond.wait(timeout=SCAN_EVERY_S - (now - last_scan))  # woken by a message: O(1), see above
-                    continue
-                last_scan = now
-                self.scans += 1
                 # deadlines are suspended while disconnected from the broker, or with nobody there
                 shift = hub.downtime(now) + hub.empty_time(now) - down
                 deadline, hard_end, down = deadline + shift, hard_end + shift, down + shift
-                gone, awaited = set(), hub.awaited(now)  # awaited: cut off by a broker outage, reconnecting
-                for c in r.tasks:
-                    a = hub.by_client.get(c)
-                    if c not in awaited and (a is None or not hub.is_online(a, now)):
-                        gone.add(c)  # its update (if complete) still counts; its stats will not come
-                        if not r.resolved(c) and c not in r.updates:
-                            r.dropped[c] = "offline"
-                lost = {c for c in r.tasks if c not in r.updates and (c in gone or r.dropped.get(c) == "offline")}
-                lost_at = {c: lost_at.get(c, now) for c in lost}
-                if not r.updates and any(r.dropped.get(c) == "offline" for c in r.tasks) and \
-                        hub.nobody_online(now) is not None:  # everyone gone: not a result (absence.py)
+                if hub.down_since is None and now >= check_at:
+                    check_at = self._check_liveness(r, now)
+                if now >= deadline:
+                    r.past_deadline = True
+                v = closing.RoundView(
+                    open=len(r.open), deadline=deadline, hard_end=hard_end, timeout_s=hub.cfg.heartbeat_timeout_s,
+                    settle_until=r.lost_at + LOSS_SETTLE_S, outage=hub.down_since is not None,
+                    empty=not r.updates and bool(r.offline) and hub.nobody_online(now) is not None,
+                    check_at=check_at,
+                    uploads=tuple(p.view(c, c in r.updates) for c, p in r.progress.items() if c in r.open)
+                    if now >= deadline else ())
+                d = closing.close(v, now)
+                self.scans += 1
+                if d.why == "outage":  # nobody is dropped, the round stays open
+                    hub.wait_for_broker(f"round {t} is suspended")  # BrokerOutage after --broker-outage-timeout
+                    check_at = float("-inf")
+                    continue
+                if d.why == "empty":  # everyone gone: not a result (absence.py)
                     hub.wait_while_empty(hub.nobody_online, f"round {t} is suspended")  # EmptyFederation
-                    back = {c for c in r.tasks if r.dropped.get(c) == "offline" and c not in r.updates}
+                    back = set(r.offline)
                     for c in back:
                         del r.dropped[c]
-                    hub.await_back({d for c in back if (d := hub.device_of(c)) is not None}, time.monotonic())
-                    last_scan, lost_at = float("-inf"), {}
+                        r.gone.discard(c)
+                        r.note(c)
+                    hub.await_back({dev for c in back if (dev := hub.device_of(c)) is not None}, time.monotonic())
+                    r.lost_at, check_at = float("-inf"), float("-inf")
                     continue
-                settling = any(now - at < LOSS_SETTLE_S for at in lost_at.values())  # outage.py LOSS_SETTLE_S
-                if all(r.resolved(c) or c in gone for c in r.tasks) and not settling:
+                if d.closed:
                     break
-                if now >= deadline:  # past it only while an upload keeps arriving (docs/field-mode.md)
-                    open_for = self._extended_for(r, gone, now, hard_end)
-                    if not open_for:
-                        break
-                    if not extended:
-                        extended = True
-                        log.info("round %d: past the deadline, uploads still arriving: %s", t, ", ".join(
-                            f"client {c} {r.progress[c].row()['chunks']}/{r.progress[c].chunks} chunks"
-                            for c in open_for))
+                if d.extended_for and not extended:
+                    extended = True
+                    log.info("round %d: past the deadline, uploads still arriving: %s", t, ", ".join(
+                        f"client {c} {r.progress[c].row()['chunks']}/{r.progress[c].chunks} chunks"
+                        for c in d.extended_for))
                 resend = set(r.rejoined)
                 broadcast = False
                 if hub.connects != seen_connects:  # we reconnected: re-send everything outstanding
@@ -195,15 +184,14 @@ class MqttTransport:
                     finally:
                         hub.cond.acquire()
                     continue
-                hub.cond.wait(timeout=min(deadline - now, 0.5) if now < deadline else 0.2)
+                # woken by what may change the decision (collection.py `_changed`, a rejoin, an outage) or its time
+                hub.wake.wait(timeout=max(d.wake_at - now, 0.001) if d.wake_at < float("inf") else None)
             r.closed = True
             end = time.monotonic()
             wall_s = end - start
             outage_s = hub.downtime(end) - outage0
             empty_s, self._empty_mark = hub.empty_time(end) - self._empty_mark, hub.empty_time(end)
-        for c in r.tasks:
-            if c not in r.updates and c not in r.dropped:
-                r.dropped[c] = "deadline"
+        r.dropped.update(closing.final_reasons(r.tasks, r.updates, r.dropped))
         updates = {}
         for task in tasks:  # the task order, as SimTransport: aggregation sums in the same order
             m = r.updates.get(task.client)
@@ -234,18 +222,26 @@ class MqttTransport:
                                   "dropped": {str(c): w for c, w in dropped.items()}}})
         return updates, dropped
 
-    def _extended_for(self, r: RoundState, gone: set[int], now: float, hard_end: float) -> list[int]:
-        """Clients whose upload keeps the round open past its deadline (`collection.keeps_open`), or whose
-        complete update's stats are still due (sent after the last PUBACK: within the heartbeat timeout of
-        the last chunk). Under the hub's lock."""
-        timeout = self.hub.cfg.heartbeat_timeout_s
-        out = []
-        for c, p in sorted(r.progress.items()):
-            if c in gone or r.resolved(c) or now >= hard_end:
-                continue
-            if keeps_open(p, now, timeout, hard_end) or (c in r.updates and now - p.last_at <= timeout):
-                out.append(c)
-        return out
+    def _check_liveness(self, r: RoundState, now: float) -> float:
+        """The open clients found offline now (not heard from within the heartbeat timeout, and not awaited after a
+        broker outage) are gone: dropped `offline` without an update; with one, it counts without its stats. Returns
+        when to look again: the earliest time another open client's timeout may lapse (a message only pushes it
+        later), or when an awaited client stops being awaited. O(open clients); it runs about once per heartbeat
+        timeout, not per message. Under the hub's lock."""
+        hub, timeout = self.hub, self.hub.cfg.heartbeat_timeout_s
+        awaited, nxt = hub.awaited(now), float("inf")
+        for c in list(r.open):
+            a = hub.by_client.get(c)
+            if c in awaited:
+                nxt = min(nxt, hub.back_by)
+            elif a is None or not hub.is_online(a, now):
+                r.gone.add(c)
+                if c not in r.updates and not r.resolved(c):
+                    r.dropped[c] = "offline"
+                r.note(c, now)
+            else:
+                nxt = min(nxt, max(a.last_seen, a.last_heartbeat) + timeout)
+        return nxt
 
     def round_stats(self) -> dict[str, float]:
         """Tensor bytes of this round's aggregated uploads and their downloads, and the messages rejected
