@@ -1,6 +1,6 @@
 """Issue 39 item 4: one federation (FMNIST shards, 6 clients, logreg, seed 0, MimiC's bounded availability with
 dropouts) run by dropfl's simulation (`dropfl.simulate`, --engine loop) and by Flower's simulation engine
-(`flwr.simulation.run_simulation`, Ray on 127.0.0.1, one actor of 1 CPU) with `DropflStrategy` and dropfl's
+(`flwr.simulation.run_simulation`, Ray bound to 127.0.0.1, one actor of 1 CPU) with `DropflStrategy` and dropfl's
 ClientApp (`dropfl.flower.client`: the same `local_train`) gives the same final model, bitwise, for FedAvg,
 MimiC and MIFA: the same float32 arithmetic on the same bits, both single-threaded. One Flower simulation runs
 the three strategies one after another on its grid (one Ray start for the module)."""
@@ -68,6 +68,12 @@ def flower_runs():
         mp.setenv("FLWR_TELEMETRY_ENABLED", "0")        # only loopback: no Flower telemetry, no Ray usage stats
         mp.setattr(telemetry, "FLWR_TELEMETRY_ENABLED", "0")
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray's processes bind 127.0.0.1 only (without this its servers listen on every interface, even with
+        # _node_ip_address): the processes it starts read the variable, this one read it at `import ray`
+        import ray
+
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
         threads = torch.get_num_threads()
         try:
             run_simulation(server, client_app(config("fedavg")), num_supernodes=6, backend_config={
@@ -75,8 +81,6 @@ def flower_runs():
                 "init_args": {"num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
                               "_node_ip_address": "127.0.0.1", "object_store_memory": 100 * 2 ** 20}})
         finally:
-            import ray
-
             ray.shutdown()
             torch.set_num_threads(threads)
     assert all(algo in out for algo in ALGOS), f"the ServerApp did not finish: {sorted(out)}"
