@@ -42,7 +42,11 @@ round; pass `state=None` to keep them only in this object.
 Not carried: FedDD's client side (its upload selection and sparse download, edge_client/feddd.py) is the
 ClientApp's; the wrapper aggregates what a client sends (a bool ArrayRecord "mask" of uploaded coordinates and
 its measurements as metrics, `REPORT_METRICS`). A replayed log's recorded measurements (reports.jsonl) are not
-substituted for the clients' (the round loop's `_recorded_reports`).
+substituted for the clients' (the round loop's `_recorded_reports`). MimiC's practical variant (mimic-client)
+keeps the devices' corrections where dropfl's simulation keeps them, in the strategy state ("device_corr"), not on
+the Flower clients: the same arithmetic, run on the server.
+Updates are aggregated in the order of the selection, as dropfl's transports hand them over, whatever order the
+replies arrived in (a mean over a stack of deltas has other float bits in another order).
 """
 
 from __future__ import annotations
