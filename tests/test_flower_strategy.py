@@ -450,3 +450,23 @@ def test_only_listed_nodes_are_selected_and_the_rest_is_not_connected():
     s.aggregate_train(1, grid.send_and_receive(msgs))
     assert s.history[0]["reasons"] == {1: "not_connected", 2: "not_connected"}
     assert s.history[0]["participants"] == 3 and s.history[0]["dropped"] == {}
+
+
+@pytest.mark.parametrize("algo", ["mimic", "mifa"])
+def test_under_the_availability_wrapper_the_participation_comes_from_its_grid(algo, tmp_path):
+    """DropflStrategy without a participation of its own, inside dropfl/flower/availability.py's WithDropouts:
+    the wrapper's grid lists the round's available nodes and hands over its node map; the result is dropfl's loop."""
+    from dropfl.flower.availability import WithDropouts
+
+    config = StrategyConfig(algo=algo)
+    w_loop, state_loop, _ = run_loop(algo, config, tmp_path)
+    inner = DropflStrategy(algo, LOOP, config=config)
+    outer = WithDropouts(inner, ROUNDS, clients=N)
+    grid, arrays = FakeGrid(flower_train(False, [])), w0_arrays()
+    for r in range(1, len(ROUNDS) + 1):
+        arrays, _ = outer.aggregate_train(r, grid.send_and_receive(outer.configure_train(r, arrays, ConfigRecord(),
+                                                                                         grid)))
+    assert inner.nodes is outer.nodes                                  # one query, one map
+    assert torch.equal(to_vector(arrays), w_loop)
+    assert_same_state(inner.state, state_loop)
+    assert [h["available"] for h in inner.history] == [len(r) for r in ROUNDS]
