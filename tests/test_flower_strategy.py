@@ -470,3 +470,16 @@ def test_under_the_availability_wrapper_the_participation_comes_from_its_grid(al
     assert torch.equal(to_vector(arrays), w_loop)
     assert_same_state(inner.state, state_loop)
     assert [h["available"] for h in inner.history] == [len(r) for r in ROUNDS]
+
+
+@pytest.mark.parametrize("algo", ["mifa", "fedavg"])
+def test_a_round_with_nobody_available_is_still_a_round(algo, tmp_path):
+    """No message is sent, and the strategy still aggregates the empty round as dropfl's loop does (MIFA moves the
+    model by its stored updates, FedAvg keeps it)."""
+    empty = Participation([set(range(N)), set(), {1, 3}, set()])
+    config = StrategyConfig(algo=algo)
+    w_loop, state_loop, _ = run_loop(algo, config, tmp_path, participation=empty)
+    w_flower, s, seen = run_flower(algo, config, len(empty), participation=empty)
+    assert torch.equal(w_flower, w_loop)
+    assert_same_state(s.state, state_loop)
+    assert sorted({k.round for k in seen}) == [0, 2] and [h["participants"] for h in s.history] == [N, 0, 2, 0]
