@@ -406,3 +406,23 @@ def test_an_image_folder_of_mixed_sizes_loads_resized_by_a_plugin_that_gives_a_s
     with Image.open(odd) as im:
         want = np.array(im.convert("L").resize((6, 4), Image.Resampling.BILINEAR))
     assert torch.equal(ds.test.x[-1, 0], torch.from_numpy(want).to(torch.float32) / 255)
+
+
+@pytest.mark.parametrize("users,needle", [
+    ({"a.json": {"u": ([[0.5] * 4], [1])}, "b.json": {"u": ([[0.5] * 4], [1])}}, "b.json repeats user 'u'"),
+    ({"a.json": {"u": ([[0.5] * 4, [0.1] * 4], [1])}}, "a.json user 'u' has 2 x, 1 y"),
+    ({"a.json": {"u": ([[0.5] * 4, [0.1] * 3], [1, 0])}}, "a.json user 'u' has x rows that are not lists of numbers"),
+    ({"a.json": {"u": (["ab", "cd"], ["e", "fg"])}}, "a.json user 'u' has the label 'fg', not one character"),
+    ({"a.json": {"u": (["a\u00e9"], ["e"])}}, "a.json user 'u' has '\u00e9', not a character of LEAF's Shakespeare"),
+    ({"a.json": {"u": ([], [])}}, "a.json user 'u' has no samples"),
+])
+def test_malformed_leaf_files_are_one_line_naming_file_and_user(tmp_path, users, needle):
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        for name, data in users.items():
+            (tmp_path / split / name).write_text(json.dumps({
+                "users": list(data), "num_samples": [len(y) for _, y in data.values()],
+                "user_data": {u: {"x": x, "y": y} for u, (x, y) in data.items()}}))
+    with pytest.raises(datasets.DatasetError, match=needle) as e:
+        datasets.load("leaf", str(tmp_path))
+    assert str(e.value).startswith("leaf: ") and str(tmp_path / "train") in str(e.value) and "\n" not in str(e.value)
