@@ -363,3 +363,14 @@ def test_plugin_module_source_is_what_the_docs_show():
     start = PLUGIN.index("@dataclasses.dataclass(frozen=True, eq=False)")
     end = PLUGIN.index("class FedDyn(Strategy)")
     assert textwrap.dedent(PLUGIN[start:end]).strip() in doc
+
+
+def test_a_lockstep_sweep_trains_a_plugin_objectives_tasks_alone(plugin):
+    """coordinator/sim/lockstep.py merges runs' clients only where its arithmetic is theirs: not with a plugin's
+    objective (trained alone, through its hooks), still with FedProx's."""
+    from coordinator.sim.lockstep import _key
+    dyn = OBJECTIVES[f"{MOD}:FedDynTerm"]
+    plain = [TrainTask(client=i, round=1, lr=0.1, batch_size=8, prox_mu=0.01) for i in range(2)]
+    assert _key(plain, merges=True) == ((0.1, 8, 0.01, False), 1)
+    hooked = [dataclasses.replace(t, objectives=t.objectives + (dyn(0.1, torch.zeros(3)),)) for t in plain]
+    assert _key(hooked, merges=True) is None

@@ -60,6 +60,7 @@ from coordinator.sim.kernels import fused_update
 from coordinator.strategies import STRATEGIES
 from edge_client import logs
 from edge_client.models import MODELS
+from edge_client.objectives import builtin_only
 from edge_client.trainer import LocalResult, TrainTask
 
 
@@ -100,9 +101,10 @@ def _merges(model: torch.nn.Module, group: Group) -> bool:
 def _key(tasks: list[TrainTask], merges: bool, fused: bool = False) -> tuple[tuple, int] | None:
     """What `Group._train` decides per computation for these tasks (a serial slice), and the terms its update adds
     to each of them (`Group.train(terms=...)`: 1 FedProx's, 2 SCAFFOLD's correction); None: train alone. With the
-    fused update the terms are per task, so they are not part of the key."""
+    fused update the terms are per task, so they are not part of the key. A plugin's local objective: alone."""
     lrs, sizes, mus = {t.lr for t in tasks}, {t.batch_size for t in tasks}, {t.prox_mu for t in tasks}
-    if not merges or len(lrs) != 1 or len(sizes) != 1 or len(mus) != 1:
+    if not merges or len(lrs) != 1 or len(sizes) != 1 or len(mus) != 1 \
+            or not all(builtin_only(t.objectives) for t in tasks):
         return None
     mu, corrected = mus.pop(), any(t.grad_correction is not None for t in tasks)
     terms = (1 if mu else 0) | (2 if corrected else 0)
