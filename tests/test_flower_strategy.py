@@ -256,10 +256,10 @@ def run_loop(algo, config, tmp_path, lose=(), fail=(), participation=ROUNDS):
     return w, state, transport.tasks
 
 
-def run_flower(algo, config, rounds, lose=(), fail=(), participation=ROUNDS, state=None, arrays=None):
+def run_flower(algo, config, rounds, lose=(), fail=(), participation=ROUNDS, state=None, arrays=None, **kw):
     seen: list = []
     grid = FakeGrid(flower_train(algo == "feddd", seen), lose=lose, fail=fail)
-    s = DropflStrategy(algo, LOOP, config=config, participation=participation, state=state)
+    s = DropflStrategy(algo, LOOP, config=config, participation=participation, state=state, **kw)
     arrays = arrays if arrays is not None else w0_arrays()
     for r in range(1, rounds + 1):   # Flower numbers a run's rounds from 1, a resumed one too
         msgs = s.configure_train(r, arrays, ConfigRecord(), grid)
@@ -357,12 +357,20 @@ def test_state_kept_in_a_record_dict_resumes_exactly(algo, tmp_path):
     assert record.config_records[META]["round"] == 1 and record.config_records[META]["algo"] == algo
     state_to_file(record, tmp_path / "state.bin")
     again = state_from_file(tmp_path / "state.bin")
+    _, by_file, _ = run_flower(algo, config, 2, state_file=tmp_path / "each-round.bin")   # written every round
+    assert_same_state(state_from_record_dict(state_from_file(tmp_path / "each-round.bin")), by_file.state)
     resumed = DropflStrategy(algo, LOOP, config=config, participation=ROUNDS, state=again)
     assert resumed.offset == 2
     w_two, s_two, _ = run_flower(algo, config, 2, state=again, arrays=resumed.resume_arrays())
     assert torch.equal(w_two, w_all)
     assert_same_state(s_two.state, s_all.state)
     assert [h["round"] for h in s_two.history] == [2, 3]
+
+
+def state_from_record_dict(record: RecordDict) -> dict:
+    from dropfl.flower.strategy import state_from_record
+
+    return state_from_record(record.array_records[STATE])
 
 
 def test_a_state_of_another_strategy_is_refused():

@@ -32,12 +32,14 @@ round) and ConfigRecord "dropfl.meta" (strategy name, N, the last round done, th
 DropflStrategy built with a RecordDict that holds them resumes from them: its state, and rounds numbered on from
 the last one done (`resume_arrays()` gives the model to pass to `start`); the node map is discovered again.
 What Flower 1.41 itself keeps of that RecordDict: everything, for as long as the ServerApp's `main` runs, and
-nothing after it. A ServerApp is not restartable in 1.41: `Strategy.start` always begins at round 1, the
-simulation (`run_simulation`) gives every run a new empty `Context.state`, and `flwr-serverapp` clears the state
-before it reports the context back to the SuperLink ("Temporarily disable pushing resulting context"); so the
-state survives a restart only where the ServerApp itself stores the RecordDict and hands it back (e.g.
-`state_to_file`/`state_from_file` around `start`). Copying the tables into records every round costs O(N·M) per
-round; pass `state=None` to keep them only in this object.
+nothing for a later run. A ServerApp is not restartable in 1.41: `Strategy.start` always begins at round 1;
+`run_simulation` gives every run a new empty `Context.state` (tested); in a deployment, `flwr run` starts every run
+in a new run series, whose context (the one a run's ServerApp receives) starts empty, and `flwr-serverapp` empties
+the state of a ServerApp that finished before reporting its context back ("Temporarily disable pushing resulting
+context", flwr/superlink/runtime/run_serverapp.py; only `flwr chat` continues a series). So the state survives a
+restart only where the ServerApp itself stores the RecordDict and hands it back: `state_file=PATH` writes it to a
+file after every round (atomically), and `state=state_from_file(PATH)` resumes from it (tested bitwise). Copying
+the tables into records every round costs O(N·M) per round; pass `state=None` to keep them only in this object.
 
 Not carried: FedDD's client side (its upload selection and sparse download, edge_client/feddd.py) is the
 ClientApp's; the wrapper aggregates what a client sends (a bool ArrayRecord "mask" of uploaded coordinates and
@@ -226,6 +228,8 @@ class DropflStrategy(FlowerStrategy):
         nodes: the node map; None (default) discovers it before the first round (`nodes.discover`).
         state: a RecordDict to keep the strategy's state in (a ServerApp's `Context.state`); see the module
             docstring for what survives. None: kept in this object only.
+        state_file: a file to write that RecordDict to after every round (`state_to_file`; a new RecordDict
+            where `state` is None), so that a ServerApp started again resumes with `state=state_from_file(PATH)`.
         timeout: seconds `discover` waits for the nodes' answers.
         evaluate: send the global model to every connected node after each round (Flower's federated
             evaluation; the replies' MetricRecords are averaged weighted by "num-examples"). False (default):
@@ -238,10 +242,12 @@ class DropflStrategy(FlowerStrategy):
 
     def __init__(self, strategy: str | DropflBase, loop: LoopConfig, *, config: StrategyConfig | None = None,
                  participation=None, nodes: NodeMap | None = None, state: RecordDict | None = None,
-                 timeout: float = 60.0, evaluate: bool = False):
+                 state_file: str | Path | None = None, timeout: float = 60.0, evaluate: bool = False):
         self.strategy = build_dropfl_strategy(strategy, config, loop) if isinstance(strategy, str) else strategy
         self.loop, self.participation, self.nodes = loop, participation, nodes
-        self.record, self.timeout, self.evaluate = state, timeout, evaluate
+        if state is None and state_file is not None:
+            state = RecordDict()
+        self.record, self.state_file, self.timeout, self.evaluate = state, state_file, timeout, evaluate
         self.state: dict[str, torch.Tensor] | None = None
         self.offset = 0                   # rounds done before this object (a resumed state)
         self.history: list[dict] = []
@@ -366,6 +372,8 @@ class DropflStrategy(FlowerStrategy):
         meta = self.nodes.to_record()
         meta.update({"algo": self.name, "n_clients": self.loop.n_clients, "round": t})
         self.record[META] = meta
+        if self.state_file is not None:
+            state_to_file(self.record, self.state_file)
 
     # -- evaluation --
 
