@@ -487,7 +487,8 @@ class Group:
 
         # the local objectives: FedProx's μ and SCAFFOLD's c − c_i by the stacked arithmetic below; where a task has
         # any other (a plugin's, or these in another order), every task's through its hooks (`hooked`)
-        hooked = None if all(objectives_.builtin_only(t.objectives) for t in tasks) else [t.objectives for t in tasks]
+        hooked = None if all(objectives_.builtin_only(t.objectives) for t in tasks) else \
+            [tuple(o.to(dev) for o in t.objectives) for t in tasks]
         mu = [0.0 if hooked else objectives_.proximal_mu(t.objectives) for t in tasks]
         cs = [None if hooked else objectives_.correction_of(t.objectives) for t in tasks]
         neg_lr = [-t.lr for t in tasks]
