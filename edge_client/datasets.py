@@ -257,7 +257,8 @@ def _call(name: str, data_dir: str | None) -> tuple[Entry, Dataset]:
         ds = e.obj(data_dir)
     if not isinstance(ds, Dataset):
         raise DatasetError(f"--dataset {name}: its loader returned {type(ds).__name__}, not an "
-                           f"edge_client.datasets.Dataset (train and test Splits of float images and int64 labels)")
+                           f"edge_client.datasets.Dataset (train and test: Splits of tensors or map-style datasets, "
+                           f"docs/datasets.md)")
     return e, ds
 
 
