@@ -491,3 +491,32 @@ def test_a_round_with_nobody_available_is_still_a_round(algo, tmp_path):
     assert torch.equal(w_flower, w_loop)
     assert_same_state(s.state, state_loop)
     assert sorted({k.round for k in seen}) == [0, 2] and [h["participants"] for h in s.history] == [N, 0, 2, 0]
+
+
+def test_dropfls_client_app_trains_the_task_it_is_sent_with_local_train():
+    """The ClientApp (dropfl/flower/client.py) on a FedProx + SCAFFOLD task: its reply is the model that dropfl's
+    local_train makes of the same task on the same shard, bitwise, with the metrics DropflStrategy reads."""
+    from coordinator.config import SimConfig
+    from coordinator.runsetup import binding_of, client_data, load_dataset
+    from dropfl.flower.client import client_app
+    from dropfl.flower.strategy import task_record
+    from edge_client.trainer import TrainTask, local_train
+
+    cfg = SimConfig()
+    cfg.data.clients, cfg.model.model = 4, "logreg"
+    ds = load_dataset(cfg)
+    model = build_model("logreg", (1, 28, 28), 10, seed=0)
+    w = get_flat(model)
+    corr = 0.01 * torch.randn(w.numel(), generator=torch.Generator().manual_seed(5))
+    task = TrainTask(client=2, round=3, lr=0.05, batch_size=8, steps=4, prox_mu=0.1, grad_correction=corr, seed=9)
+    msg = Message(task_record(model_arrays(model), task, 4), dst_node_id=NODE_IDS[2], message_type=MessageType.TRAIN)
+    reply = client_app(cfg)(msg, context(NODE_IDS[2], {"partition-id": 2, "num-partitions": 4}))
+    x, y = client_data(ds, binding_of(cfg, ds))[2]
+    want = local_train(build_model("logreg", (1, 28, 28), 10, seed=0), w, x, y, task)
+    got = w - to_vector(reply.content.array_records[ARRAYS])
+    assert torch.equal(got, want.delta)
+    m = reply.content.metric_records[METRICS]
+    assert (m["num-examples"], m["steps"], m["lr"], m["train_loss"]) == (len(y), 4, 0.05, want.loss)
+    wrong = Message(task_record(model_arrays(model), task, 4), dst_node_id=NODE_IDS[1], message_type=MessageType.TRAIN)
+    with pytest.raises(ValueError, match="holds partition 1, the task is for 2"):
+        client_app(cfg)(wrong, context(NODE_IDS[1], {"partition-id": 1, "num-partitions": 4}))
