@@ -186,6 +186,11 @@ def test_a_field_trials_log_replays_in_flower_row_for_row(tmp_path):
     assert flower_json["strategy"] == "flwr.serverapp.strategy.fedavg.FedAvg"
     assert flower_json["nodes"] == {str(i): 1000 + 17 * i for i in range(4)}
     assert (out / "model.pt").exists()
+    from coordinator.dashboard.rundata import RunData  # what `dropfl dashboard` serves of it
+
+    board = RunData(out)
+    assert board.summary()["rounds_done"] == 3 and board.summary()["problems"] == []
+    assert board.raster()["status"] == ["PPPP", "PUDD", "UPPD"]
 
 
 def test_bounded_availability_decides_flowers_selection(tmp_path):

@@ -7,7 +7,6 @@ from flwr.serverapp.strategy import FedAvg
 
 from dropfl.flower.federation import federation
 from dropfl.flower.rundir import under_dropfl
-from dropfl.flower.strategy import DropflStrategy
 from flowerquickstart.task import Net, dropfl_config, test, test_data
 
 # Create ServerApp
@@ -34,6 +33,8 @@ def main(grid: Grid, context: Context) -> None:
         strategy = FedAvg(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
                           min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1)
     else:
+        from dropfl.flower.strategy import DropflStrategy
+
         fed = federation(dropfl_config(context.run_config))
         strategy = DropflStrategy(algo, fed.loop(), config=fed.cfg.strategy)
 
