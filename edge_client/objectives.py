@@ -255,6 +255,8 @@ def decode(meta: object, tensor: torch.Tensor | None) -> tuple[LocalObjective, .
     a malformed list (tensor sizes that do not add up to the message's tensor, a bad parameter)."""
     if not isinstance(meta, list):
         raise TypeError(f"objectives must be a list (got {type(meta).__name__})")
+    if tensor is not None and tensor.dtype != torch.float32:
+        raise TypeError(f"the objectives' tensor must be float32 (got {tensor.dtype})")
     flat = None if tensor is None else tensor.reshape(-1)
     at, out = 0, []
     for item in meta:

@@ -201,6 +201,11 @@ def test_the_task_message_carries_the_objectives_by_name():
     back = objectives.decode(json.loads(json.dumps(msg.meta["objectives"])), msg.tensor)
     assert back[0] == Proximal(0.01) and type(back[1]) is Correction and torch.equal(back[1].c, c)
     assert objectives.decode([], None) == ()
+    old = objectives.legacy(0.5, c)   # a task message without `objectives`: prox_mu and a bare correction
+    assert old[0] == Proximal(0.5) and type(old[1]) is Correction and torch.equal(old[1].c, c)
+    assert objectives.legacy(0.0, None) == ()
+    with pytest.raises(TypeError, match="must be float32"):
+        objectives.decode(meta, c.double())
     for bad, match in [([{"name": "correction", "tensors": {"c": 999}}], "has 1000 values, its objectives name 999"),
                        ([{"name": "correction", "tensors": {"c": 1001}}], "does not fit"),
                        ([{"name": "proximal", "params": {"mu": -1}}], "mu must be a finite number >= 0"),
