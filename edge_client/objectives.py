@@ -131,8 +131,8 @@ class Correction(LocalObjective):
 
 
 def _is_objective(obj) -> str | None:
-    if (isinstance(obj, type) and issubclass(obj, LocalObjective) and dataclasses.is_dataclass(obj)
-            and isinstance(obj.name, str) and obj.name and ":" not in obj.name):
+    if (isinstance(obj, type) and issubclass(obj, LocalObjective) and "__dataclass_params__" in vars(obj)
+            and obj.__dataclass_params__.frozen and isinstance(obj.name, str) and obj.name and ":" not in obj.name):
         return None
     return "a local objective (a frozen dataclass subclass of LocalObjective with a `name`)"
 

@@ -264,6 +264,32 @@ def test_a_plugin_objective_trains_alike_on_the_loop_and_the_engines(plugin, mod
         assert torch.allclose(got, ref, atol=1e-10, rtol=0), (name, float((got - ref).abs().max()))
 
 
+def test_gradient_hooks_on_the_engines_in_any_order(plugin):
+    """A round whose tasks hold a plugin's term beside SCAFFOLD's correction, and the built-ins in the other order
+    (correction, then proximal: not the stacked form), trains through the hooks on both engines: = loop to 1e-10
+    (float64), the batched engine's transposed linear weights included."""
+    from coordinator.sim.batched import BatchedEngine
+    from coordinator.sim.functional import FunctionalEngine
+    dyn = OBJECTIVES[f"{MOD}:FedDynTerm"]
+    shape = (1, 6, 6)
+    model = build_model("mlp", shape, seed=3).double()
+    w = get_flat(model)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.rand(n, *shape, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g))
+            for n in (12, 20, 7)]
+    c = [torch.randn(w.numel(), generator=g, dtype=torch.float64) * 0.05 for _ in range(3)]
+    objs = [(dyn(0.2, c[0] * 0.1), Correction(c[0])), (Correction(c[1]), Proximal(0.3)), ()]
+    tasks = [TrainTask(client=i, round=2, lr=0.05, batch_size=8, epochs=2, seed=1, objectives=objs[i])
+             for i in range(3)]
+    ref = [local_train(model, w, *data[i], t) for i, t in enumerate(tasks)]
+    for engine in (FunctionalEngine(model, data, device="cpu"), BatchedEngine(model, data, workers=0, device="cpu")):
+        got = engine.run(w, tasks)
+        engine.close()
+        for r, e in zip(got, ref):
+            assert r.steps == e.steps and torch.allclose(r.delta, e.delta, atol=1e-10, rtol=0)
+            assert r.loss == pytest.approx(e.loss, abs=1e-12)
+
+
 def test_a_plugin_algorithm_runs_from_the_cli_on_the_loop_and_the_generic_engine(plugin, tmp_path):
     """`dropfl sim --algo MOD:FedDyn --model MOD:tiny_net`: the loop and the generic engine (float32) agree to
     the generic engine's float32 tolerance (docs/engine.md: 1e-5) after three rounds."""
