@@ -149,6 +149,7 @@ def _refuse_unused(args: argparse.Namespace) -> None:
                 continue  # what a field run is
             f = next((f for f in dataclasses.fields(factory()) if f.name == name), None)
             shown = config.flag(f) if f is not None else "--" + name.replace("_", "-")
+            v = " ".join(v) if isinstance(v, list) else v   # a repeatable flag's values (--availability-option)
             if section == "availability":
                 raise UserError(f"{shown} {v}: a field trial's availability comes from its agents (their "
                                 f"batteries: --profiles), not from a model, so no availability option applies; "
