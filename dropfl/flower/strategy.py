@@ -176,7 +176,7 @@ def participation_round(participation, t: int, n_clients: int):
     ids = participation[t]
     available = np.zeros(n_clients, dtype=bool)
     available[list(ids)] = True
-    return RoundAvailability(available, {i: "unavailable" for i in range(n_clients) if not available[i]})
+    return RoundAvailability(available, {i: "trace" for i in range(n_clients) if not available[i]})  # a given list
 
 
 # ---- the strategy ---------------------------------------------------------------------------------------------------
