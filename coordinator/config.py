@@ -79,17 +79,17 @@ def opt(default, help: str, choices=None, flag: str | None = None, *, minimum=No
                                             "applies": tuple(applies) if applies else None})
 
 
-def options_field(kind: str, flag: str):
-    """A plugin's own options (`kind`: "strategy", "availability"): {name: value} for the Options dataclass the
-    chosen plugin declares (edge_client/options.py), from the table [KIND.options] of a config file and the
-    repeatable flag `flag` KEY=VALUE. `validate` converts and checks them against the plugin's Options and fills
-    in its defaults, so a run's config.json holds every option the plugin ran with."""
+def options_field(section: str, flag: str, kind: str):
+    """A plugin's own options (`section`: "strategy", "availability"; `kind`: what one is called): {name: value}
+    for the Options dataclass the chosen plugin declares (edge_client/options.py), from the table [SECTION.options]
+    of a config file and the repeatable flag `flag` KEY=VALUE. `validate` converts and checks them against the
+    plugin's Options and fills in its defaults, so a run's config.json holds every option the plugin ran with."""
     base = opt(None, "").metadata
     return field(default_factory=dict, metadata={
         **base,
         "help": f"an option of a plugin {kind} that declares an Options dataclass, as KEY=VALUE converted by the "
                 f"option's type (repeat the flag for several; none sets an optional one to None); in a config "
-                f"file the table [{kind}.options]; `dropfl plugins {kind} NAME` lists a plugin's options "
+                f"file the table [{section}.options]; `dropfl plugins {section} NAME` lists a plugin's options "
                 f"(docs/extending.md)",
         "flag": flag, "options": True})
 
@@ -206,7 +206,7 @@ class AvailabilityConfig:
     max_temp: float | None = opt(None, "decline above this temperature in °C, the trace's temp_c "
                                        "(reason thermal; default: off)", minimum=-40, maximum=200,
                                  applies=DEVICE_TRACE)
-    options: dict = options_field("availability", "--availability-option")
+    options: dict = options_field("availability", "--availability-option", "availability model")
 
 
 @dataclass
@@ -262,7 +262,7 @@ class StrategyConfig:
                              applies=("stale",))
     scaffold_correction_lr: float | None = opt(None, "η_L in c_i⁺ (default: the round's local lr)", gt=0,
                                                applies=("scaffold",))
-    options: dict = options_field("strategy", "--strategy-option")
+    options: dict = options_field("strategy", "--strategy-option", "strategy")
 
 
 @dataclass
