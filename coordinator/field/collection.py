@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from coordinator.availability.models import REASONS
 from coordinator.field import checks as field_checks
 from coordinator.field import closing
@@ -296,19 +294,13 @@ class Collection:
                   p.body_bytes, now - p.first_at)
 
     def _invalid(self, m: wire.Message) -> str | None:
-        if is_sparse(m):  # FedDD's sparse payload (coordinator/field/sparse.py)
-            problem = sparse_problem(self.layout, m)
-            if problem:
-                return problem
-            for k in ("num_samples", "steps"):
-                if not isinstance(m.meta.get(k), int) or m.meta[k] < 0:
-                    return f"meta {k} missing or not a non-negative integer"
+        """A sparse (FedDD) payload's problem (coordinator/field/sparse.py), else None. A dense update's tensor
+        (float32, [num_params], finite) and its meta are checked once, by `field_checks.update` before this."""
+        if not is_sparse(m):
             return None
-        t = m.tensor
-        if t is None or t.dtype != torch.float32 or list(t.shape) != [self.num_params]:
-            return f"expected a float32 tensor of shape [{self.num_params}], got {m.header.dtype} {m.header.shape}"
-        if not torch.isfinite(t).all():
-            return "the update holds NaN or infinite values"
+        problem = sparse_problem(self.layout, m)
+        if problem:
+            return problem
         for k in ("num_samples", "steps"):
             if not isinstance(m.meta.get(k), int) or m.meta[k] < 0:
                 return f"meta {k} missing or not a non-negative integer"
