@@ -217,7 +217,8 @@ class DropflStrategy(FlowerStrategy):
 
     Args:
         strategy: a registered name ("mimic", "mifa", a plugin's "module:attr" ...) built from `config` as
-            `dropfl sim --algo NAME` builds it, or a dropfl strategy instance.
+            `dropfl sim --algo NAME` builds it (bound to `loop`'s lr schedule where it takes one), or a dropfl
+            strategy instance, used as it is.
         loop: dropfl's round-loop settings (coordinator.loop.LoopConfig): n_clients (N, the partitions
             0..N-1), seed (the selection generator and the clients' batch order), lr and its schedule
             (lr_at), batch_size, epochs/steps. Sent to the clients with every task.
@@ -235,9 +236,11 @@ class DropflStrategy(FlowerStrategy):
             evaluation; the replies' MetricRecords are averaged weighted by "num-examples"). False (default):
             no client-side evaluation; pass `evaluate_fn` to `start` for a central one.
 
-    After each round, `history[-1]` is what happened: round, available, selected, participants and, for each
-    selected client whose update was not aggregated, the reason (a replayed drop's recorded reason,
-    or what Flower reported, `ERROR_REASONS`: what happened, never a modelled dropout).
+    After each round, `history[-1]` is what happened: round, lr, available, selected, participants, "reasons" (why
+    each unavailable client was: the participation's reason, or NOT_CONNECTED) and "dropped" (for each selected
+    client whose update was not aggregated: a replayed drop's recorded reason, what Flower reported,
+    `ERROR_REASONS`, with Flower's own words in "errors", or NOT_CONNECTED): what happened, never a modelled
+    dropout.
     """
 
     def __init__(self, strategy: str | DropflBase, loop: LoopConfig, *, config: StrategyConfig | None = None,
