@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
                     "config (dropfl-config, and num-server-rounds, lr, batch-size, local-epochs, algo where the app "
                     "declares them); the app's ServerApp writes the run directory through "
                     "dropfl.flower.rundir.under_dropfl. The simulation options (--engine, --slices, --sim-device, "
-                    "--ray-address, --clock-profile, --threads, --track) do not apply: the app trains its clients.")
+                    "--ray-address, --clock-profile, --threads, --track) do not apply: the app trains its clients. "
+                    "--out defaults to runs/flower-<algo>-<availability>-<dataset>-s<seed>.")
     r.add_argument("app", metavar="APP_DIR", help="the Flower app's directory (with pyproject.toml)")
     config.add_arguments(r, list(STRATEGIES))
     r.add_argument("--overwrite", action="store_true", help="replace the run in --out")

@@ -183,7 +183,8 @@ class WithDropouts(Strategy):
         nodes = self._node_map(grid)
         t = server_round - 1
         self._tick = time.perf_counter()
-        self._lr = float(config["lr"]) if "lr" in config else None
+        loop = getattr(self.strategy, "loop", None)   # DropflStrategy sends its own schedule's lr_t
+        self._lr = loop.lr_at(t) if hasattr(loop, "lr_at") else float(config["lr"]) if "lr" in config else None
         avail = self.availability.round(t)
         logged = getattr(avail, "selected", None)             # a replayed log's own selection
         visible = list(logged) if logged is not None else avail.active

@@ -87,8 +87,9 @@ class RunRecorder:
                 try:
                     model.load_state_dict(result.arrays.to_torch_state_dict())
                 except RuntimeError as e:
+                    why = " ".join(str(e).split())[:200]
                     raise UserError(f"the app's model is not --model {self.cfg.model.model} of the dropfl config "
-                                    f"({' '.join(str(e).split())[:200]}); build it with dropfl.flower.federation") from None
+                                    f"({why}); build it with dropfl.flower.federation") from None
                 self.rundir.save_model(model)
             if nodes is not None:
                 self.flower["nodes"] = {str(p): nodes.node(p) for p in nodes.partitions()}

@@ -110,6 +110,9 @@ def _simulate(app_dir: Path, server_attr: str, client_attr: str, override: dict,
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                "init_args": {"num_cpus": num_cpus, "num_gpus": 0, "include_dashboard": False,
                              "_node_ip_address": "127.0.0.1"}}
+    import ray
+
+    ours = not ray.is_initialized()   # Flower starts Ray unless it runs already; only a Ray it started is stopped
     try:
         _run_simulation(num_supernodes=supernodes, exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
                         server_app_attr=server_attr, client_app_attr=client_attr, app_dir=str(app_dir), run=run,
@@ -121,7 +124,5 @@ def _simulate(app_dir: Path, server_attr: str, client_attr: str, override: dict,
             raise e.__cause__ from None
         raise RunFailure(f"the Flower simulation of {app_dir} failed: {type(e).__name__}: {e}") from e
     finally:
-        import ray
-
-        if ray.is_initialized():
+        if ours and ray.is_initialized():
             ray.shutdown()
