@@ -74,6 +74,11 @@ def adder_app(fail: int | None = None) -> ClientApp:
                                    "metrics": MetricRecord({"num-examples": 1, "train_loss": float(p)})}),
                        reply_to=msg)
 
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context):
+        p = int(context.node_config["partition-id"])
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1, "eval_acc": float(p)})}), reply_to=msg)
+
     return app
 
 
@@ -85,6 +90,7 @@ class LocalGrid(Grid):
         self.app, self.n, self.lose, self.gone = app, n, set(lose), set(gone)
         self.ids = {1000 + 17 * i: i for i in range(n)}
         self.trained: list[list[int]] = []     # partitions sent a training task, per round
+        self.evaluated: list[list[int]] = []   # partitions sent an evaluation, per round
 
     def set_run(self, run) -> None:
         raise NotImplementedError
@@ -107,8 +113,9 @@ class LocalGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):
         messages, replies = list(messages), []
-        if messages and messages[0].metadata.message_type == MessageType.TRAIN:
-            self.trained.append(sorted(self.ids[m.metadata.dst_node_id] for m in messages))
+        for kind, seen in ((MessageType.TRAIN, self.trained), (MessageType.EVALUATE, self.evaluated)):
+            if messages and messages[0].metadata.message_type == kind:
+                seen.append(sorted(self.ids[m.metadata.dst_node_id] for m in messages))
         for m in messages:
             p = self.ids[m.metadata.dst_node_id]
             if m.metadata.message_type == MessageType.TRAIN and p in self.lose:
@@ -313,3 +320,33 @@ def test_quickstart_app_beside_dropfl_in_one_report_and_replayed(tmp_path, monke
     assert main(["sim", "--config", str(flower_run / "config.json"), "--availability", "replay", "--trace",
                  str(flower_run / "participation.csv"), "--out", "replay", "--no-progress"]) == 0
     assert read_rows(tmp_path / "replay" / "participation.csv") == read_rows(flower_run / "participation.csv")
+
+
+def test_evaluation_goes_to_the_available_clients_that_did_not_drop(tmp_path):
+    """Flower's federated evaluation (fraction_evaluate=1) under the replayed trial: each round only the available
+    clients that did not drop are asked."""
+    trace = write_log(tmp_path / "participation.csv", TRIAL)
+    grid = LocalGrid(adder_app(), 4)
+    strategy = WithDropouts(FedAvg(min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1), replay(trace, 4))
+    strategy.start(grid, ArrayRecord([np.zeros(2, np.float32)]), num_rounds=3, timeout=10)
+    assert grid.evaluated == [[0, 1, 2, 3], [0], [1, 2]]
+
+
+def test_under_dropfl_wraps_as_the_run_config_says(tmp_path, caplog):
+    """Without dropfl-config the ServerApp's strategy is returned as it is; with it, wrapped under the config's
+    availability (no run directory without dropfl-out); Flower's FedAvg under a config that is not
+    fedavg/samples is said once."""
+    from dropfl.flower.rundir import under_dropfl
+
+    plain = fedavg()
+    assert under_dropfl(plain, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                       run_config={"dropfl-config": "", "dropfl-out": ""})) is plain
+    cfg = {"data": {"clients": 3}, "availability": {"kind": "static", "p": 0.5}}
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                  run_config={"dropfl-config": json.dumps(cfg), "dropfl-out": ""})
+    with caplog.at_level(logging.WARNING, logger="dropfl.flower"):
+        wrapped = under_dropfl(plain, ctx)
+    assert isinstance(wrapped, WithDropouts) and wrapped.strategy is plain and wrapped.recorder is None
+    assert wrapped.clients == 3 and type(wrapped.availability).__name__ == "Static"
+    said = [r.getMessage() for r in caplog.records if "Flower's FedAvg" in r.getMessage()]
+    assert len(said) == 1 and "--algo fedavg --weighting uniform" in said[0]
