@@ -92,6 +92,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
         rec = "–" if row["recover_s"] is None else f"{row['recover_s']:.1f}"
         out.append(f"| {row['scenario']} | {row['fault_text']} | {row['at_round']} | {describe(row)} | {inv} | "
                    f"{rec} | {row['wall_s']:.0f} |")
+    out += ["", "How to read it: `sent` counts (round, client) pairs whose agent logged every chunk of its update as "
+            "acknowledged by the broker; `aggregated` the participants; `discarded` the updates the coordinator "
+            "received and logged as discarded (late, after their round closed, or for a client already dropped in "
+            "it); `duplicates` second copies of an update within its round (re-sent after a reconnect), aggregated "
+            "once. Reconnects: the disconnects and failed connects in each process's log. Recovery for "
+            "coordinator_kill_resume runs from the resumed coordinator's start (its startup included) to the "
+            "interrupted round's model; for slow_uplink from the rate limit (at round 0) to round 1's model. The "
+            "machine was shared with other test runs: times are indicative; the invariants are not."]
+    for row in rows:
+        if row.get("queues_after_restart"):
+            out += ["", f"{row['scenario']}: the cluster started in {row.get('cluster_start_s')} s; the killed node "
+                    f"was back {row.get('node_restart_s')} s after its restart; then it held the old client ids' "
+                    "queues, without a consumer (name, pid, messages): "
+                    + "; ".join(f"`{q.replace(chr(9), ' ')}`" for q in row["queues_after_restart"][1:])
+                    + " (benchmarks/results/field_cluster.md: an `expires` policy deletes them)."]
     out.append("")
     skipped = meta.get("skipped")
     if skipped:
@@ -116,7 +131,12 @@ def main() -> int:
     p.add_argument("--cluster", action="store_true", help="also the 3-node RabbitMQ node kill (~2 min more)")
     p.add_argument("--only", help="comma-separated scenario names")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fault_suite"))
+    p.add_argument("--render", action="store_true", help="only write OUT.md again from OUT.json")
     args = p.parse_args()
+    if args.render:
+        data = json.loads(Path(args.out).with_suffix(".json").read_text())
+        Path(args.out).with_suffix(".md").write_text(markdown(data["rows"], data["meta"]))
+        return 0
     names = list(faultkit.SCENARIOS) + (["cluster_node_kill"] if args.cluster else [])
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
