@@ -8,7 +8,9 @@ that starts after its agents registers them, both connecting through a dead firs
 cluster (where retained messages never reach the coordinator's `device/+/status`), agents split across
 the nodes run a short logreg federation equal to its simulation replay, then one node is stopped
 mid-run, its agents fail over to the other, and the run completes, equal to its replay, no update
-aggregated twice."""
+aggregated twice. And on a 3-node cluster of its own, the coordinator's node killed with SIGKILL mid-round
+(tests/faultkit.py's cluster scenario). Fast: the reconnect policy (backoff with jitter, a fresh client id
+after a refusal) and the registry's idempotent statuses."""
 
 from __future__ import annotations
 
@@ -391,7 +393,8 @@ def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others
     refusal (edge_client/agent/reconnect.py), so they resume on the live nodes: the run completes with the fault
     harness's invariants held (tests/faultkit.py: participants real, drops true, nothing lost or aggregated
     twice, replay bit for bit), the coordinator's outage recorded in round 1, a few reconnects per process (no
-    storm), and the dead node's clients on fresh ids."""
+    storm), and the dead node's clients on fresh ids. Their old queues stay on the dead node; an `expires`
+    policy deletes them once it is back."""
     if why := rabbit.missing():
         pytest.skip(why)
     from faultkit import CLUSTER_NODE_KILL, Trial, run_scenario
@@ -399,16 +402,23 @@ def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others
     try:
         for name in ["coordinator"] + [f"client-{i}" for i in range(CLUSTER_NODE_KILL.agents)]:
             rc.add_user(name, Trial.cluster_password)
+        # the operator's policy that deletes the old client ids' queues (no consumer for 10 s) once their node is back
+        rc.ctl(0, "set_policy", "mqtt-expires", "^mqtt-subscription-", '{"expires": 10000}', "--apply-to", "queues")
         o = run_scenario(CLUSTER_NODE_KILL, tmp_path / "trial", cluster=rc, cluster_victims=(0,))
         queues = rc.ctl(2, "list_queues", "name", "pid")
         restart_s = rc.start_node(0)
-        after = rc.ctl(2, "list_queues", "name", "pid")
+        after, t_back = rc.ctl(2, "list_queues", "name", "pid"), time.monotonic()
+        while "mqtt-subscription-" in (left := rc.ctl(2, "list_queues", "name")) and time.monotonic() < t_back + 120:
+            time.sleep(1)  # polling the broker's queue list: the expiry is the event
+        expired_s = time.monotonic() - t_back
     finally:
         rc.close()
     print(f"3 nodes up in {rc.timings['start_s']:.1f} s; recorded {o.recorded}; recovered in {o.recover_s} s; "
           f"reconnects {o.notes['reconnects']}; node 1 back in {restart_s:.1f} s\nqueues while down:\n{queues}"
-          f"\nqueues after its restart:\n{after}")
+          f"\nqueues after its restart:\n{after}\nold queues gone {expired_s:.1f} s after the node was back")
     o.assert_held()
+    assert "mqtt-subscription-dropfl-client-0qos1" in queues  # the old id's queue, homed on the dead node
+    assert "mqtt-subscription-" not in left, left              # deleted by the expires policy once it is back
     logs = {i: (tmp_path / "trial" / f"client-{i}.log").read_text() for i in range(CLUSTER_NODE_KILL.agents)}
     assert "as dropfl-client-0-r1" in logs[0]              # refused on its old id, then a fresh one
     assert "dropfl-coordinator-" in (tmp_path / "trial" / "coordinator.log").read_text()
