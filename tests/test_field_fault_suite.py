@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import pytest
 from faultkit import SCENARIOS, run_scenario
-from fieldkit import NEEDS_MOSQUITTO
+from fieldkit import needs_mosquitto
 from test_netem import needs_netns
-
-pytestmark = NEEDS_MOSQUITTO
 
 
 def test_an_agents_silence_counts_only_while_the_broker_answers(tmp_path, monkeypatch):
@@ -55,18 +53,21 @@ def run(name: str, tmp_path):
     return o
 
 
+@needs_mosquitto
 def test_broker_frozen_is_an_outage_and_nobody_is_dropped(tmp_path):
     """SIGSTOP for 6 s (twice the heartbeat timeout) while round 1 is open: recorded as round 1's broker outage,
     no agent dropped."""
     run("broker_freeze", tmp_path)
 
 
+@needs_mosquitto
 def test_broker_killed_and_restarted_is_an_outage_and_nobody_is_dropped(tmp_path):
     """SIGKILL of mosquitto while round 1 is open (no persistence: everything it held is gone), restarted on the
     same port 2 s later: round 1 waits, its outage recorded; agents reconnect and the round completes."""
     run("broker_kill_restart", tmp_path)
 
 
+@needs_mosquitto
 def test_agent_killed_for_good_is_offline_from_then_on(tmp_path):
     """SIGKILL of agent 1 while it trains round 1, never restarted: `offline` in rounds 1 and 2, nobody else
     dropped, nothing it had not sent aggregated."""
@@ -74,6 +75,7 @@ def test_agent_killed_for_good_is_offline_from_then_on(tmp_path):
     assert o.recorded["participants"] == [3, 2, 2]
 
 
+@needs_mosquitto
 def test_agent_killed_and_restarted_misses_one_round_at_most(tmp_path):
     """SIGKILL of agent 1 while it trains round 1, restarted at once (as a service manager would): at most
     round 1 is lost to it (`offline`), and it takes part again in round 2."""
@@ -81,6 +83,7 @@ def test_agent_killed_and_restarted_misses_one_round_at_most(tmp_path):
     assert o.recorded["participants"][2] == 3
 
 
+@needs_mosquitto
 def test_coordinator_killed_and_resumed_loses_nothing(tmp_path):
     """SIGKILL of the coordinator while round 2 is open, then `--resume`: round 2 is redone, every agent in every
     round, each update aggregated once, the model equal to its replay."""
@@ -88,6 +91,7 @@ def test_coordinator_killed_and_resumed_loses_nothing(tmp_path):
     assert o.exits == [-9, 0] and o.recorded["participants"] == [3, 3, 3, 3]
 
 
+@needs_mosquitto
 @pytest.mark.root
 @needs_netns
 def test_slow_uplink_is_never_offline(tmp_path):
@@ -97,6 +101,7 @@ def test_slow_uplink_is_never_offline(tmp_path):
     assert o.recorded["participants"] == [3, 3, 3]
 
 
+@needs_mosquitto
 @pytest.mark.root
 @needs_netns
 def test_link_down_then_up_is_offline_then_back(tmp_path):
