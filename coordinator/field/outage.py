@@ -41,7 +41,7 @@ log = logging.getLogger("dropfl.coordinator")
 
 PROBE_EVERY_S = 0.5      # the coordinator publishes a probe to itself through the broker this often
 BROKER_SILENT_S = 3.0    # nothing at all from the broker for this long, its connection open: an outage
-AGENT_RECONNECT_S = 3.0  # an agent's own reconnect after an outage: paho's backoff (at most 2 s) and the connect
+AGENT_RECONNECT_S = 3.0  # an agent's reconnect after an outage: its backoff (at most 2 s, reconnect.py), the connect
 LOG_EVERY_S = 10.0       # while waiting for the broker, say so this often
 # an agent's silence counts only up to this long after the broker's last delivery to us (registry.py `is_online`):
 # more than PROBE_EVERY_S, the echo of our own probe, so that while the broker answers it is always now

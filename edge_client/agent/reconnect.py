@@ -18,8 +18,10 @@ only once a connection is healthy (its subscription answered: SUBACK), not on a 
 the broker dropped after its CONNACK but before acknowledging the subscription makes the next attempt use a
 fresh client id (`<base>-r<n>`).
 A broker that maps client ids to usernames (mosquitto's `use_username_as_clientid`, provisioning/broker.py)
-is unaffected. It drives paho through `reconnect_delay_set` (the next wait) and paho's `_client_id`
-(the id of the next CONNECT), as `Brokers.rotate` drives its host and port.
+is unaffected. `max_delay` stays at paho's former 2 s: the coordinator awaits agents after a broker outage
+for AGENT_RECONNECT_S (coordinator/field/outage.py) plus a heartbeat timeout. It drives paho through
+`reconnect_delay_set` (the next wait) and paho's `_client_id` (the id of the next CONNECT), as
+`Brokers.rotate` drives its host and port.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from paho.mqtt import client as mqtt
 
 
 class Reconnect:
-    def __init__(self, base_id: str, min_delay: float = 0.2, max_delay: float = 4.0, rng: random.Random | None = None):
+    def __init__(self, base_id: str, min_delay: float = 0.2, max_delay: float = 2.0, rng: random.Random | None = None):
         self.base_id, self.min_delay, self.max_delay = base_id, min_delay, max_delay
         self.rng = rng or random.Random()
         self.generation = 0       # client ids used so far beyond the first
