@@ -113,6 +113,12 @@ def _simulate(app_dir: Path, server_attr: str, client_attr: str, override: dict,
     import ray
 
     ours = not ray.is_initialized()   # Flower starts Ray unless it runs already; only a Ray it started is stopped
+    from ray._private import ray_constants
+
+    before = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    if ours:   # every Ray process on 127.0.0.1 (as tests/test_ray.py's cluster): the processes Ray starts read the
+        os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"   # variable, this one read it at `import ray`
+        ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         _run_simulation(num_supernodes=supernodes, exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
                         server_app_attr=server_attr, client_app_attr=client_attr, app_dir=str(app_dir), run=run,
@@ -126,3 +132,9 @@ def _simulate(app_dir: Path, server_attr: str, client_attr: str, override: dict,
     finally:
         if ours and ray.is_initialized():
             ray.shutdown()
+        if ours:   # as it was for whatever this process runs next
+            ray_constants.ENABLE_RAY_CLUSTER = before[1]
+            if before[0] is None:
+                os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+            else:
+                os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = before[0]
