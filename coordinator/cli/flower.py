@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     r.add_argument("--num-cpus", type=int, default=2, metavar="N",
                    help="CPUs Ray may use for the ClientApps, one per running ClientApp (default: 2)")
     r.set_defaults(func=run)
+    from coordinator.cli import _common  # --debug, --log-level, --quiet after `flower run` too
+
+    _common(r, suppress=True)
 
 
 def default_out(cfg) -> str:
