@@ -57,4 +57,4 @@ class FedAvgM(dropfl.Strategy):
             return w, state
         o = self.options
         v = o.momentum * state["v"] + mean_delta(updates, o.weighting)   # v_t = β v_{t−1} + Δ̄_t
-        return w - o.server_lr * v, {**state, "v": v}                        # w_{t+1} = w_t − η_s v_t
+        return w - o.server_lr * v, {**state, "v": v}                    # w_{t+1} = w_t − η_s v_t
