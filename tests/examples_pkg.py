@@ -23,17 +23,18 @@ PIP_ENV = {"PIP_NO_BUILD_ISOLATION": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
 def installed_from() -> Path | None:
-    """The directory the installed dropfl-examples was installed from (editable), or None."""
+    """The directory the installed dropfl-examples was installed from (editable), as pip recorded it, or None.
+    (Not resolved: an install through a link, as tests/test_tutorial.py makes, is done again from the real path.)"""
     try:
         text = metadata.distribution(DIST).read_text("direct_url.json")
     except metadata.PackageNotFoundError:
         return None
     url = json.loads(text or "{}").get("url", "")
-    return Path(url.removeprefix("file://")).resolve() if url.startswith("file://") else None
+    return Path(url.removeprefix("file://")) if url.startswith("file://") else None   # as recorded: not resolved
 
 
 def ensure_installed() -> None:
-    if installed_from() == PACKAGE.resolve() and metadata.distribution(DIST).version == package_version():
+    if installed_from() == PACKAGE and metadata.distribution(DIST).version == package_version():
         return
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(PACKAGE)],
                    check=True, timeout=300, env={**os.environ, **PIP_ENV})
