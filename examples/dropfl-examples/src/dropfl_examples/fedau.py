@@ -19,33 +19,35 @@ from dropfl_examples._common import check_positive, options_or_defaults
 
 
 class FedAU(dropfl.Strategy):
-    """FedAU (Wang & Ji 2023), Algorithm 1 (FedAvg with pluggable weights) with the online weight estimation of
-    its Algorithm 2, in dropfl's delta units (Δ_n = w_t − w_n, w ← w − step). For each client n the server keeps
-    S_n (rounds since n's current interval began), M_n (intervals counted) and Ω_n (their running mean); every
-    round t, for every client n (q_n^t = 1 iff n's update arrived in round t):
+    """FedAU (Wang & Ji 2023): FedAvg whose aggregation weight for client n is the running mean Ω_n of n's past
+    participation intervals (≈ 1/p_n), with intervals cut off at K rounds; as in the paper's released code
+    (github.com/IBM/fedau, main.py, `-weighting adaptive`), in dropfl's delta units (Δ_n = w_t − w_n, w ← w −
+    step). For each client n the server keeps S_n (rounds since n's current interval began), M_n (intervals
+    counted) and Ω_n (their mean). Round t, with q_n^t = 1 iff n's update arrived:
 
+        ω_n^t = Ω_n if M_n > 0, else 1                      (from the intervals before round t)
+        w_{t+1} = w_t − (η / N) Σ_{n∈S_t} ω_n^t Δ_n         (S_t: the clients with q_n^t = 1; N: all clients)
+
+        then, for every client n:
         S_n ← S_n + 1
-        if q_n^t = 1 or S_n = K:                  (an interval ends: n took part, or the cut-off K is reached)
-            Ω_n ← S_n                 if M_n = 0
-            Ω_n ← (M_n Ω_n + S_n) / (M_n + 1)    otherwise
-            M_n ← M_n + 1;  S_n ← 0
-        ω_n^t = Ω_n
+        if q_n^t = 1 or S_n = K:                            (an interval ends: n took part, or the cut-off)
+            Ω_n ← (M_n Ω_n + S_n) / (M_n + 1);  M_n ← M_n + 1;  S_n ← 0
 
-        w_{t+1} = w_t − (η / N) Σ_{n∈S_t} ω_n^t Δ_n                     (S_t: the clients with q_n^t = 1)
+    The weight of round t uses only the intervals that ended before it, so it does not depend on whether n takes
+    part in round t (the code's "interval used in the next round"). The cut-off K bounds every interval, hence
+    every weight, by K: a client that is never seen counts one interval of K rounds every K rounds, which bounds
+    the estimate's error for rarely participating clients (the paper's bias/variance trade-off in K). With every
+    client taking part every round, ω_n = 1 and the rule is FedAvg (η = 1); with client n taking part in rounds
+    k − 1, 2k − 1, 3k − 1, ... (k ≤ K), ω_n = k from its second participation on.
 
-    The cut-off K bounds every interval, hence every weight, by K: a client that is never seen is counted as
-    one interval of K rounds every K rounds, which bounds the estimate's error for rarely participating
-    clients (the paper's bias/variance trade-off in K). With every client taking part every round, ω_n = 1 and
-    the rule is FedAvg (η = 1); with client n taking part every k-th round (k ≤ K), ω_n = k from its first
-    full interval on.
-
-    As implemented here (a reading of the paper's Algorithms 1 and 2; simplifications stated):
-    - The estimation runs on the server from the participation it sees (the paper's clients can run it
-      themselves; the numbers are the same): q_n^t = 1 iff n's update is aggregated in round t, so a selected
-      client whose update was lost (deadline, rejected) counts as not taking part, as in the paper's q_n^t.
-    - ω_n^t includes round t's interval (the estimate is updated before it weights the round's update).
-    - A round in which no update arrived leaves w unchanged (the counters still advance).
-    - The paper's two-level step sizes (local γ, global η) are dropfl's --lr (local) and `server_lr` (η).
+    As implemented here:
+    - The estimation runs on the server from the participation it sees (in the paper each client can run it);
+      q_n^t = 1 iff n's update is aggregated in round t, so a selected client whose update was lost (deadline,
+      rejected) counts as not taking part, as the paper's q_n^t.
+    - A round in which no update arrived leaves w unchanged (the counters still advance), as the code's.
+    - `cutoff` K defaults to 50, the value of the README's K example; the code's own default, 100 000, is in
+      effect no cut-off. The local and global step sizes are dropfl's --lr and `server_lr` (η, the code's
+      `-lr-global`).
 
     Options: `cutoff` K ≥ 1 (default 50), `server_lr` η > 0 (default 1.0).
     State: "since" S_n and "intervals" M_n (int64 [N]), "omega" Ω_n (float64 [N]), checkpointed with the run.
@@ -72,24 +74,26 @@ class FedAU(dropfl.Strategy):
                 "omega": torch.zeros(n_clients, dtype=torch.float64)}
 
     def weights(self, state: dropfl.State, took_part: np.ndarray) -> dropfl.State:
-        """Algorithm 2 for every client, one round: the new (since, intervals, omega); `took_part` is q^t, bool [N]."""
-        since = state["since"] + 1                                     # S_n ← S_n + 1
+        """The counters after round t, for every client: the new (since, intervals, omega); `took_part` is q^t."""
+        since = state["since"] + 1                                           # S_n ← S_n + 1
         intervals, omega = state["intervals"].clone(), state["omega"].clone()
         ends = torch.as_tensor(took_part) | (since == self.options.cutoff)   # q_n^t = 1 or S_n = K
         m, s = intervals[ends].to(torch.float64), since[ends].to(torch.float64)
-        omega[ends] = (m * omega[ends] + s) / (m + 1)   # Ω_n ← (M_n Ω_n + S_n)/(M_n + 1), which is S_n at M_n = 0
-        intervals[ends] += 1                                           # M_n ← M_n + 1
-        since[ends] = 0                                                # S_n ← 0
+        omega[ends] = (m * omega[ends] + s) / (m + 1)                        # Ω_n ← (M_n Ω_n + S_n)/(M_n + 1)
+        intervals[ends] += 1                                                 # M_n ← M_n + 1
+        since[ends] = 0                                                      # S_n ← 0
         return {"since": since, "intervals": intervals, "omega": omega}
+
+    def weight(self, state: dropfl.State, i: int) -> float:
+        """ω_i^t: the mean of client i's intervals that ended before round t, 1 before the first one ends."""
+        return float(state["omega"][i]) if int(state["intervals"][i]) > 0 else 1.0
 
     def aggregate(self, state: dropfl.State, t: int, w: torch.Tensor,
                   updates: dict[int, dropfl.ClientUpdate]) -> tuple[torch.Tensor, dropfl.State]:
         n = state["omega"].shape[0]
         took_part = np.zeros(n, dtype=bool)
         took_part[list(updates)] = True
-        state = {**state, **self.weights(state, took_part)}
-        if not updates:
-            return w, state
-        omega = state["omega"]
-        step = sum(float(omega[i]) * updates[i].delta for i in sorted(updates))   # Σ_{n∈S_t} ω_n^t Δ_n
-        return w - (self.options.server_lr / n) * step, state                      # w ← w − (η/N) Σ ω_n Δ_n
+        if updates:
+            step = sum(self.weight(state, i) * updates[i].delta for i in sorted(updates))   # Σ_{n∈S_t} ω_n^t Δ_n
+            w = w - (self.options.server_lr / n) * step                                    # w ← w − (η/N) Σ ω Δ
+        return w, {**state, **self.weights(state, took_part)}

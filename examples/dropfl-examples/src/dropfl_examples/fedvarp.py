@@ -25,8 +25,9 @@ class FedVARP(dropfl.Strategy):
 
     S_t is the set of clients whose update arrived in round t (the paper samples S_t uniformly; here it is
     whoever the availability let through, the setting MIFA and MimiC study). With every client in S_t every
-    round, v_t = (1/N) Σ Δ_i: FedAvg. A round in which no update arrived leaves w and y unchanged (the paper
-    always has |S_t| = M ≥ 1; one could also step along (1/N) Σ y_j, as MIFA does, which this class does not).
+    round, v_t = (1/N) Σ Δ_i: FedAvg. A round in which no update arrived leaves w and y unchanged: the paper
+    always has |S_t| = M ≥ 1, and the FedVARP baseline of FedAU's released code (github.com/IBM/fedau, main.py,
+    `-weighting fedvarp`) steps by 0 in such a round (it does not step along (1/N) Σ y_j, as MIFA would).
 
     Options: `server_lr` η_g > 0 (default 1.0).
     State: "y", float32 [N, M], row i = y_i, a per-client table in the run's state store (--state-store: RAM or
