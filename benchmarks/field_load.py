@@ -17,8 +17,17 @@ At the largest size the run's participation log is replayed in `dropfl sim` (sam
 Then a normal `dropfl trial` (10 agents with modelled batteries) for its dropouts and its replay.
 `--profile N` instead runs N agents under py-spy (the coordinator's CPU by function).
 
+`--synthetic S` runs `SynthAgent`s instead: the agent's protocol with no training and no evaluation, each
+update ready S seconds after its task and model arrive, hundreds per worker process on one thread (paho's
+external loop), so that 10,000 fit on one machine; no replay (their updates are not trained). `--compare DIR`
+runs each size with the coordinator of another checkout DIR (a git worktree of an earlier commit), then with
+this one, one after the other: a before/after of the coordinator alone.
+
     .venv/bin/python benchmarks/field_load.py        # writes benchmarks/results/field_load.{json,md,png}
     .venv/bin/python benchmarks/field_load.py --profile 1000 --rounds 5   # field_load_profile.md
+    git worktree add /tmp/fl_before REV
+    .venv/bin/python benchmarks/field_load.py --compare /tmp/fl_before --synthetic 0.1 --agents 1000,10000 \
+        --only-after 10000 --rounds 10 --rounds-at 10000=5 --per-process 500   # field_load_closing.{json,md}
 """
 
 from __future__ import annotations
@@ -83,9 +92,193 @@ def worker(args) -> int:
     return 0
 
 
+class SynthAgent:
+    """One synthetic agent: the agent's protocol (docs/protocol.md: status with the data binding, heartbeats, the
+    task and the global model in, the update's chunks and its stats out after the last PUBACK) with no training
+    and no evaluation: the update is a fixed float32 tensor, ready `compute_s` after the task and the model are
+    both in. Many share one thread: their paho clients run on the worker's selector (paho's external loop)."""
+
+    def __init__(self, i: int, host: str, port: int, binding: dict, num_params: int, samples: int, heartbeat_s: float,
+                 compute_s: float, fleet: SynthFleet):
+        import torch
+        from paho.mqtt import client as mqtt
+
+        from edge_client import wire
+        from edge_client.agent.config import TOPIC_ROOT
+
+        self.wire, self.root, self.fleet = wire, TOPIC_ROOT, fleet
+        self.c, self.id, self.samples, self.compute_s = i, f"client-{i}", samples, compute_s
+        self.base = f"{TOPIC_ROOT}/device/{self.id}"
+        self.binding, self.heartbeat_s = binding, heartbeat_s
+        self.delta = torch.full((num_params,), 1e-4 * (i % 7), dtype=torch.float32)
+        self.task = self.model = None        # (run, round, digest, arrival)
+        self.last_round, self.trained, self.done = -1, 0, False
+        self.upload: tuple | None = None     # (run, round, mid of the last chunk, start, bytes)
+        m = self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dropfl-{self.id}",
+                                    clean_session=True)
+        m.username_pw_set(self.id)
+        m.will_set(f"{self.base}/status", self._status("offline"), qos=1, retain=True)
+        m.max_inflight_messages_set(100)
+        m.on_connect, m.on_message, m.on_publish = self._on_connect, self._on_message, self._on_publish
+        m.on_socket_open = lambda c, u, sock: fleet.sel.register(sock, fleet.READ, self)
+        m.on_socket_close = lambda c, u, sock: fleet.sel.unregister(sock)
+        m.on_socket_register_write = lambda c, u, sock: fleet.sel.modify(sock, fleet.READ | fleet.WRITE, self)
+        m.on_socket_unregister_write = lambda c, u, sock: fleet.sel.modify(sock, fleet.READ, self)
+        m.connect(host, port, keepalive=60)
+
+    def _status(self, state: str, reply: bool = False) -> bytes:
+        meta = {"state": state, "device": self.id}
+        if state == "online":
+            meta |= self.binding | {"num_samples": self.samples} | ({"reply": True} if reply else {})
+        return self.wire.encode("status", "", -1, self.c, meta=meta)[0]
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        client.subscribe([(f"{self.base}/control", 1), (f"{self.root}/model/weights", 1),
+                          (f"{self.root}/coordinator/status", 1)])
+        client.publish(f"{self.base}/status", self._status("online"), qos=1, retain=True)
+        self.beat()
+
+    def beat(self) -> None:
+        meta = {"available": True, "reason": None, "battery_pct": 100.0, "charging": True}
+        self.mqtt.publish(f"{self.base}/heartbeat", self.wire.encode("heartbeat", "", -1, self.c, meta=meta)[0], qos=0)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        """Only the frame's header is read (as the agent's network thread does, edge_client/agent/link.py
+        `_note_round`): the synthetic agent needs the model's round and digest, not its weights."""
+        now, p = time.monotonic(), msg.payload
+        if len(p) < 8 or p[:4] != self.wire.MAGIC:
+            return
+        h = json.loads(p[8:8 + int.from_bytes(p[4:8], "big")])
+        kind, meta = h.get("kind"), h.get("meta") or {}
+        if kind == "coordinator":
+            if msg.retain:
+                return
+            if meta.get("announce"):
+                client.publish(f"{self.base}/status", self._status("online", reply=True), qos=1, retain=True)
+            elif meta.get("state") == "finished":
+                self.done = True
+            return
+        if kind == "task":
+            self.task = (h["run"], h["round"], meta.get("model_digest"), now)
+        elif kind == "model" and h["chunk"] == h["chunks"] - 1:
+            self.model = (h["run"], h["round"], meta.get("model_digest"), now)
+        else:
+            return
+        t, m = self.task, self.model
+        if t and m and t[:2] == m[:2] and t[2] in (None, m[2]) and t[1] > self.last_round:
+            self.last_round = t[1]
+            self.fleet.at(now + self.compute_s, self._upload, (t, m, now + self.compute_s))
+
+    def _upload(self, t: tuple, m: tuple, due: float) -> None:
+        """The synthetic training is done: upload the update, then (after its last PUBACK) the stats."""
+        now = time.monotonic()
+        if self.task is not None and self.task[:2] != t[:2]:  # a newer round's task came first: this one is over
+            return
+        start = min(t[3], m[3])
+        meta = {"num_samples": self.samples, "steps": 1, "loss": 0.0, "train_s": self.compute_s,
+                "download_s": m[3] - start if m[3] > start else None, "wait_s": max(now - due, 0.0),
+                "model_digest": m[2]}
+        frames = self.wire.encode("update", t[0], t[1], self.c, self.delta, meta, self.fleet.limits)
+        mid = None
+        for f in frames:
+            mid = self.mqtt.publish(f"{self.base}/update/delta", f, qos=1).mid
+        self.upload = (t[0], t[1], mid, time.perf_counter(), sum(len(f) for f in frames))
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        u = self.upload
+        if u is None or mid != u[2]:
+            return
+        self.upload = None
+        upload_s = time.perf_counter() - u[3]
+        meta = {"upload_s": upload_s, "upload_bytes": u[4], "uplink_Bps": u[4] / upload_s if upload_s > 0 else None}
+        client.publish(f"{self.base}/update/stats", self.wire.encode("stats", u[0], u[1], self.c, meta=meta)[0], qos=1)
+        self.trained += 1
+
+
+class SynthFleet:
+    """Synthetic agents first..first+count-1 in one thread: a selector over their sockets (paho's external loop),
+    a timer heap for their heartbeats (spread over the period) and their synthetic compute."""
+
+    def __init__(self, args):
+        import heapq
+        import selectors
+
+        from edge_client import wire
+        from edge_client.agent import binding_of, config_from_dict
+
+        self.heapq, self.sel = heapq, selectors.DefaultSelector()
+        self.READ, self.WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+        self.limits, self.timers, self.seq = wire.Limits(), [], 0
+        cfg = config_from_dict({"agent": {"client": args.first, "broker": args.broker},
+                                "data": {"dataset": "fmnist", "partition": "iid", "clients": args.clients, "seed": 0},
+                                "model": {"model": "logreg"}})
+        binding = binding_of(cfg).to_meta()  # without data_digest (not computed: no data is read)
+        host, port = args.broker.removeprefix("mqtt://").rsplit(":", 1)
+        self.agents = []
+        for i in range(args.first, args.first + args.count):
+            u = (i * 0.6180339887498949) % 1.0  # spread evenly over [0, 1) whatever the range of indices
+            self.agents.append(SynthAgent(i, host, int(port), binding, args.num_params, 60000 // args.clients,
+                                          args.heartbeat_s, args.synthetic * (1 + args.spread * (u - 0.5)), self))
+            k = len(self.agents)
+            self.at(time.monotonic() + args.heartbeat_s * k / args.count, self._beat, (self.agents[-1],))
+            if k % 50 == 0:
+                self.poll(0)  # let the broker's CONNACKs in while connecting the rest
+
+    def at(self, when: float, fn, args: tuple) -> None:
+        self.seq += 1
+        self.heapq.heappush(self.timers, (when, self.seq, fn, args))
+
+    def _beat(self, a: SynthAgent) -> None:
+        if not a.done:
+            a.beat()
+            self.at(time.monotonic() + a.heartbeat_s, self._beat, (a,))
+
+    def poll(self, timeout: float) -> None:
+        for key, mask in self.sel.select(timeout):
+            a = key.data
+            if mask & self.READ:
+                a.mqtt.loop_read()
+            if mask & self.WRITE:
+                a.mqtt.loop_write()
+
+    def run(self) -> None:
+        last_misc = 0.0
+        while not all(a.done for a in self.agents):
+            now = time.monotonic()
+            while self.timers and self.timers[0][0] <= now:
+                _, _, fn, args = self.heapq.heappop(self.timers)
+                fn(*args)
+            self.poll(min(max(self.timers[0][0] - now, 0.0), 0.5) if self.timers else 0.5)
+            if now - last_misc >= 1.0:
+                last_misc = now
+                for a in self.agents:
+                    a.mqtt.loop_misc()
+        for a in self.agents:
+            a.mqtt.disconnect()
+            a.mqtt.loop_write()
+
+
+def synth_worker(args) -> int:
+    """Run synthetic agents first..first+count-1 in this process; write their upload counts."""
+    raise_nofile()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    fleet = SynthFleet(args)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: [setattr(a, "done", True) for a in fleet.agents])
+    fleet.run()
+    Path(args.out, f"uploads-{args.first}.json").write_text(json.dumps({a.c: a.trained for a in fleet.agents}))
+    return 0
+
+
 def stats(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"median": statistics.median(xs), "p90": xs[int(0.9 * (len(xs) - 1))], "max": xs[-1], "n": len(xs)}
+
+
+def close_lags(ev: list[dict]) -> list[float]:
+    """Per round: its close − the arrival of its last update at the coordinator (`wall_s` − the latest
+    `arrived_s`): the wait for that client's stats and the round loop's own latency in closing."""
+    return [e["wall_s"] - max(c["arrived_s"] for c in e["clients"].values()) for e in ev if e["clients"]]
 
 
 def round_events(run: Path) -> list[dict]:
@@ -160,6 +353,7 @@ class Sampler(threading.Thread):
 
 
 def coordinator_cmd(broker_url: str, agents: int, rounds: int, run: Path) -> list[str]:
+    """The coordinator's command (run from the checkout `fleet` is given: `python -m` imports from the cwd)."""
     return [sys.executable, "-m", "coordinator.cli", "coordinator", "--broker", broker_url, "--clients", str(agents),
             "--rounds", str(rounds), "--out", str(run), "--deadline", str(DEADLINE_S),
             "--wait-timeout", str(WAIT_TIMEOUT_S), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--no-progress",
@@ -167,8 +361,11 @@ def coordinator_cmd(broker_url: str, agents: int, rounds: int, run: Path) -> lis
 
 
 def fleet(agents: int, per_proc: int, rounds: int, heartbeat_s: float, tmp: Path, replay: bool,
-          profile: Path | None = None) -> dict:
-    """One fleet: mosquitto, the agents' worker processes, the coordinator; measurements and checks."""
+          profile: Path | None = None, synthetic: float | None = None, code: Path = ROOT, spread: float = 0.0) -> dict:
+    """One fleet: mosquitto, the agents' worker processes, the coordinator; measurements and checks.
+    `synthetic`: synthetic agents (`SynthAgent`) whose update is ready this many seconds after the task and model
+    arrive (times `1 + spread × (u − 0.5)`, `SynthFleet`), instead of `Agent`s that train; `code`: the checkout the
+    coordinator runs from (before/after)."""
     from coordinator.availability.participation import read_rows
     from coordinator.trial.broker import Mosquitto
 
@@ -179,13 +376,15 @@ def fleet(agents: int, per_proc: int, rounds: int, heartbeat_s: float, tmp: Path
         with Mosquitto(workdir=tmp / "broker") as broker:
             t0 = time.monotonic()
             for first in range(0, agents, per_proc):
+                synth = [] if synthetic is None else ["--synthetic", str(synthetic), "--spread", str(spread),
+                                                      "--num-params", "7850"]
                 procs.append(subprocess.Popen(
                     [sys.executable, __file__, "--worker", "--broker", broker.url, "--clients", str(agents),
                      "--first", str(first), "--count", str(min(per_proc, agents - first)),
-                     "--heartbeat-s", str(heartbeat_s), "--out", str(tmp / "agents")],
+                     "--heartbeat-s", str(heartbeat_s), "--out", str(tmp / "agents"), *synth],
                     stdout=subprocess.DEVNULL, stderr=open(tmp / f"worker-{first}.log", "w"), start_new_session=True))
             coord_log = tmp / "coordinator.log"
-            coord = subprocess.Popen(coordinator_cmd(broker.url, agents, rounds, run), cwd=ROOT,
+            coord = subprocess.Popen(coordinator_cmd(broker.url, agents, rounds, run), cwd=code,
                                      stdout=subprocess.DEVNULL, stderr=open(coord_log, "w"))
             sampler = Sampler(coord.pid, broker.proc.pid, [p.pid for p in procs], coord_log, run / "field.jsonl")
             sampler.start()
@@ -193,9 +392,10 @@ def fleet(agents: int, per_proc: int, rounds: int, heartbeat_s: float, tmp: Path
             if profile is not None:  # attach py-spy once the rounds start: their CPU, not the start-up's
                 while not sampler.marks and coord.poll() is None:
                     time.sleep(0.05)
-                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(coord.pid),
-                                        "--format", "raw", "--rate", "100", "--threads", "--output", str(profile)],
-                                       stdout=subprocess.DEVNULL, stderr=open(tmp / "py-spy.log", "w"))
+                spy_bin = Path(sys.executable).parent / "py-spy"
+                spy = subprocess.Popen([str(spy_bin) if spy_bin.exists() else "py-spy", "record", "--pid",
+                                        str(coord.pid), "--format", "raw", "--rate", "100", "--threads", "--output",
+                                        str(profile)], stdout=subprocess.DEVNULL, stderr=open(tmp / "py-spy.log", "w"))
             _, status, usage = os.wait4(coord.pid, 0)
             if spy is not None:
                 spy.wait(timeout=60)
@@ -241,7 +441,9 @@ def fleet(agents: int, per_proc: int, rounds: int, heartbeat_s: float, tmp: Path
     rounds_s = marks[-1]["t"] - marks[0]["t"]
     coord_cpu_total = usage.ru_utime + usage.ru_stime
     res = {
-        "agents": agents, "agents_per_process": per_proc, "worker_processes": len(procs), "rounds": rounds,
+        "agents": agents, "agents_per_process": per_proc, "synthetic_compute_s": synthetic, "spread": spread,
+        "code": str(code),
+        "worker_processes": len(procs), "rounds": rounds,
         "heartbeat_s": heartbeat_s, "total_s": total_s, "startup_s": marks[0]["t"] - t0, "rounds_s": rounds_s,
         "selected": selected, "aggregated": sum(aggregated.values()), "uploads_sent": sum(sent.values()),
         "lost": selected - sum(aggregated.values()),
@@ -258,6 +460,7 @@ def fleet(agents: int, per_proc: int, rounds: int, heartbeat_s: float, tmp: Path
         "overhead_s": stats([e["overhead_s"] for e in ev]),
         "overhead_excl_agent_wait_s": stats([e["overhead_excl_agent_wait_s"] for e in ev]),
         "onnx_export_s": stats([e["export_s"] for e in ev]),
+        "close_after_last_update_s": stats(close_lags(ev)),
         "coordinator": {
             "cpu_s_total": coord_cpu_total, "cpu_s_startup": marks[0]["coord"],
             "cpu_s_per_round": (marks[-1]["coord"] - marks[0]["coord"]) / rounds,
@@ -514,6 +717,103 @@ def profile_markdown(res: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
+
+
+def compare(args, res: dict, sizes: list[int], base: Path) -> int:
+    """Each fleet size with the coordinator of `args.compare` (before), then of this checkout (after), one after
+    the other on the same broker settings and agents; sizes in --only-after with this checkout only."""
+    before = Path(args.compare).resolve()
+    only_after = {int(x) for x in args.only_after.split(",") if x}
+    rounds_at = {int(k): int(v) for k, v in (x.split("=") for x in args.rounds_at.split(",") if x)}
+    res |= {"cpu_model": cpu_model(), "before": {"code": str(before), "commit": _commit(before)},
+            "after": {"code": str(ROOT), "commit": _commit(ROOT) + " + the working tree"}, "compare": []}
+    if args.append:  # the rows of earlier invocations (other settings), kept with their own command and load
+        earlier = json.loads(Path(args.out + ".json").read_text())
+        res["compare"] = earlier["compare"]
+        res["runs"] = earlier.get("runs", [{k: earlier[k] for k in ("command", "loadavg_before", "loadavg_after")
+                                            if k in earlier}])
+    res.setdefault("runs", []).append({"command": res["command"], "loadavg_before": res["loadavg_before"]})
+    for n in sizes:
+        row = {"agents": n, "synthetic_compute_s": args.synthetic, "spread": args.spread}
+        for side, code in (("before", before), ("after", ROOT)):
+            if side == "before" and n in only_after:
+                continue
+            row[side] = fleet(n, args.per_process, rounds_at.get(n, args.rounds), args.heartbeat_s,
+                              base / f"{side}-{n}", replay=False, synthetic=args.synthetic, code=code,
+                              spread=args.spread)
+            f = row[side]
+            print(f"{side} {n} agents: lost {f['lost']}, coordinator {f['coordinator']['cpu_s_per_round']:.2f} CPU "
+                  f"s/round, overhead median {f['overhead_s']['median']:.3f} s", file=sys.stderr)
+        res["compare"].append(row)
+        Path(args.out + ".json").write_text(json.dumps(res, indent=2) + "\n")  # what is done so far
+    res["loadavg_after"] = res["runs"][-1]["loadavg_after"] = open("/proc/loadavg").read().split()[0]
+    Path(args.out + ".json").write_text(json.dumps(res, indent=2) + "\n")
+    Path(args.out + ".md").write_text(compare_markdown(res))
+    print(compare_markdown(res))
+    fs = [row[s] for row in res["compare"] for s in ("before", "after") if s in row]
+    return 0 if all(f["lost"] == 0 and f["agents_whose_sent_differs_from_aggregated"] == 0 and f["dropped"] == 0
+                    and f["rounds_with_all_participating"] == f["rounds"] for f in fs) else 1
+
+
+def _commit(path: Path) -> str:
+    return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def compare_markdown(res: dict) -> str:
+    rows = res["compare"]
+    f0 = (rows[0].get("before") or rows[0]["after"])
+    runs = res.get("runs") or [{"command": res["command"], "loadavg_before": res["loadavg_before"],
+                                "loadavg_after": res.get("loadavg_after", "?")}]
+    L = ["# Field-mode fleet: the round loop before and after the closing rule (benchmarks/field_load.py)", "",
+         f"Machine: {res['cpu_model']} ({res['machine']}), shared with other work (its load average, below, was far "
+         f"above its 2 cores): timings vary by ±30 % and more from run to run, so read the medians over each run's "
+         f"rounds, and compare before with after only within one size and setting. One private mosquitto "
+         f"({res['mosquitto']}) on 127.0.0.1. Synthetic agents ({f0['agents_per_process']} per worker process, "
+         f"one thread each process, paho's external loop; heartbeat every {f0['heartbeat_s']:g} s): the agent's "
+         f"protocol with no training and no evaluation (they take the global weights, not the ONNX model); each "
+         f"update (logreg's 7,850 float32 parameters, 31 KB) is ready a compute time after its task and model "
+         f"arrive: S for every agent (spread 0: all upload at once), or S × (1 + F × (u − 0.5)) with u spread evenly "
+         f"over the agents (spread F). The coordinator is the real one: FedAvg over the updates it gets, an "
+         f"evaluation of the global model and its ONNX export every round, with `--deadline {DEADLINE_S} "
+         f"--wait-timeout {WAIT_TIMEOUT_S} --heartbeat-timeout {HEARTBEAT_TIMEOUT_S}`. Every agent is selected "
+         f"every round. Before: the coordinator of commit {res['before']['commit']} (a git worktree); after: "
+         f"commit {res['after']['commit']}. Each row pair ran before, then after, one after the other.", "",
+         "Commands (load average before → after):", "", "```"]
+    L += [f"{r['command']}    # load {r.get('loadavg_before', '?')} → {r.get('loadavg_after', '?')}" for r in runs]
+    L += ["```", "",
+          "| agents | compute S, s (spread) | code | rounds | selected | uploaded by agents | aggregated | **lost** | "
+          "dropped | round wall time, ms (median / p90 / max) | **round overhead**, ms (median / p90 / max) | "
+          "overhead excl. agents' queueing, ms | close after the last update, ms | coordinator CPU s / round |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for side in ("before", "after"):
+            f = row.get(side)
+            if f is None:
+                continue
+            L.append(f"| {row['agents']} | {f['synthetic_compute_s']:g} ({f.get('spread', 0.0):g}) | {side} | "
+                     f"{f['rounds']} | {f['selected']} | {f['uploads_sent']} | {f['aggregated']} | **{f['lost']}** | "
+                     f"{f['dropped']} | {_ms(f['round_wall_s'])} | **{_ms(f['overhead_s'])}** | "
+                     f"{_ms(f['overhead_excl_agent_wait_s'])} | {_ms(f['close_after_last_update_s'])} | "
+                     f"{f['coordinator']['cpu_s_per_round']:.2f} |")
+    L += ["", "Round overhead = the round's wall time (from the start of its ONNX export to its close) − the slowest "
+          "participant's download + train + upload as the agent measured them (`field.jsonl` `overhead_s`): "
+          "publishing the tasks and the model, the broker's fan-out, the coordinator's handling of the updates and "
+          "the wait for the last stats; with synthetic agents, train is the compute time. Without the agents' "
+          "queueing: also minus the slowest's `wait_s` (its update ready but its worker process busy with other "
+          "agents). Close after the last update: the round's close − the arrival of its last update at the "
+          "coordinator (the wait for that client's stats, then the round loop's own latency). "
+          "Medians over the rounds of one run. Coordinator CPU per round: psutil at the `agents online` log "
+          "line and at each round row, (last − first) / rounds. Lost = selected − aggregated; uploaded = the updates "
+          "the agents counted as sent (their stats after the last PUBACK).", ""]
+    if res.get("notes"):
+        L += ["## Notes", "", *res["notes"], ""]
+    return "\n".join(L)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--agents", default="100,300,1000", help="fleet sizes, comma-separated")
@@ -524,15 +824,31 @@ def main() -> int:
     p.add_argument("--trial-agents", type=int, default=10, help="the normal trial's agents (0: skip it)")
     p.add_argument("--profile", type=int, default=0, help="instead: N agents with the coordinator under py-spy")
     p.add_argument("--keep", help="keep the run directories here")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "field_load"))
+    p.add_argument("--out", help="results path without suffix (default benchmarks/results/field_load, with "
+                                 "--compare field_load_closing)")
+    p.add_argument("--synthetic", type=float, metavar="S",
+                   help="synthetic agents (the protocol, no training or evaluation; many per process, one thread): "
+                        "each update is ready S seconds after its task and model arrive")
+    p.add_argument("--spread", type=float, default=0.0, metavar="F",
+                   help="with --synthetic S: agent i's compute time is S × (1 + F × (u_i − 0.5)), u_i spread evenly "
+                        "over [0, 1) (0: the same S for every agent, all uploads at once)")
+    p.add_argument("--compare", metavar="DIR",
+                   help="before/after: each fleet size with the coordinator of the checkout DIR (e.g. a git worktree "
+                        "of the earlier commit), then of this one, side by side; writes OUT.{json,md}")
+    p.add_argument("--only-after", default="", help="with --compare: fleet sizes run with this checkout only")
+    p.add_argument("--append", action="store_true", help="with --compare: keep the rows already in OUT.json")
+    p.add_argument("--rounds-at", default="", help="with --compare: other round counts by size, e.g. 10000=5")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--num-params", type=int, help=argparse.SUPPRESS)
     p.add_argument("--broker", help=argparse.SUPPRESS)
     p.add_argument("--clients", type=int, help=argparse.SUPPRESS)
     p.add_argument("--first", type=int, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(args)
+        return worker(args) if args.synthetic is None else synth_worker(args)
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks" / "results" / ("field_load_closing" if args.compare else "field_load"))
     sizes = [int(x) for x in args.agents.split(",")]
     mosq = subprocess.run(["mosquitto", "-h"], capture_output=True, text=True).stdout.splitlines()[0]
     res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, "
@@ -548,12 +864,15 @@ def main() -> int:
         if args.profile:
             raw = base / "profile.txt"
             res["fleet"].append(fleet(args.profile, args.per_process, args.rounds, args.heartbeat_s,
-                                      base / f"profile-{args.profile}", replay=False, profile=raw))
+                                      base / f"profile-{args.profile}", replay=False, profile=raw,
+                                      synthetic=args.synthetic))
             res["profile"] = profile_summary(raw)
             Path(args.out + "_profile.json").write_text(json.dumps(res, indent=2) + "\n")
             Path(args.out + "_profile.md").write_text(profile_markdown(res))
             print(profile_markdown(res))
             return 0
+        if args.compare:
+            return compare(args, res, sizes, base)
         for n in sizes:
             replay = args.replay == "all" or (args.replay == "largest" and n == max(sizes))
             res["fleet"].append(fleet(n, args.per_process, args.rounds, args.heartbeat_s, base / f"fleet-{n}", replay))
