@@ -170,12 +170,14 @@ def test_a_skewed_agent_clock_gives_the_same_feddd_inputs(tmp_path, monkeypatch,
 
 # --- 4. a rejoin sends the model to the rejoining agent alone ---
 
-def open_round(tmp_path, clients: int = 3):
+def open_round(tmp_path, clients: int = 3, heartbeat_timeout_s: float | None = None):
     """Round 0 of a logreg federation opened by MqttTransport.run_round in a thread, on a broker-less hub
     whose publishes are recorded as (topic, bytes); returns once the round's ONNX model is out."""
     model = build_model("logreg", (1, 28, 28), 10, 0)
     n = sum(p.numel() for p in model.parameters())
     hub = make_hub(tmp_path)
+    if heartbeat_timeout_s is not None:
+        hub.cfg.heartbeat_timeout_s = heartbeat_timeout_s
     hub.num_params, hub.max_update_bytes = n, 8 * n + 64 * 1024
     published: list[tuple[str, int]] = []
     hub.publish_frames = lambda topic, frames: published.extend((topic, len(f)) for f in frames)
@@ -254,6 +256,25 @@ def test_a_burst_of_messages_that_change_no_decision_does_not_wake_the_round(tmp
     updates, dropped = out["result"]
     assert sorted(updates) == [0, 1, 2] and dropped == {}
     assert transport.scans == start_scans + 1, (transport.scans, start_scans)  # the last stats: one evaluation
+
+
+def test_a_silent_client_is_dropped_offline_by_the_liveness_timer_with_no_message_to_wake_the_round(tmp_path):
+    """Clients 0 and 1 deliver; client 2 never sends anything after the round opens. No message can wake the round
+    loop for it: the closing rule's decision names the time its heartbeat timeout lapses (closing.py `check_at`),
+    and the round closes then with client 2 dropped `offline`, long before the 60 s deadline (`deadline`)."""
+    hub, transport, w, n, _, th, out = open_round(tmp_path, heartbeat_timeout_s=5.0)
+    digest = wire.model_digest(w)
+    for c in range(2):
+        with hub.cond:
+            for f in wire.encode("update", "run-x", 0, c, torch.zeros(n),
+                                 {"num_samples": 1, "steps": 1, "model_digest": digest}):
+                hub._dispatch(f"d{c}", "update/delta", f, False)
+            hub._dispatch(f"d{c}", "update/stats", wire.encode("stats", "run-x", 0, c, meta={"upload_s": 0.1})[0],
+                          False)
+    th.join(timeout=50)
+    assert not th.is_alive()
+    updates, dropped = out["result"]
+    assert sorted(updates) == [0, 1] and dropped == {2: "offline"}
 
 
 # --- 5. updates bound to the model they were trained on ---
