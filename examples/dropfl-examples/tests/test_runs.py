@@ -44,6 +44,17 @@ def test_resume_equals_straight_run(tmp_path, algo):
     assert {r["reason"] for r in rows if r["status"] == "unavailable"} == {"model_draw"}   # Markov left some out
 
 
+def test_fedvarp_table_on_disk_gives_the_same_model(tmp_path):
+    # FedVARP's per-client table y in RAM or in a file of the run directory (--state-store): the same bits
+    runs = {}
+    for store in ("memory", "disk"):
+        cfg = config("fedvarp", 4)
+        cfg.run.state_store = store
+        runs[store] = dropfl.simulate(cfg, out=tmp_path / store).model_state()
+    assert (tmp_path / "disk" / "state" / "fedvarp.y.bin").is_file() and not (tmp_path / "memory" / "state").exists()
+    assert all(torch.equal(runs["memory"][k], runs["disk"][k]) for k in runs["memory"])
+
+
 def test_replay_with_another_plugin(tmp_path):
     recorded = dropfl.simulate(config("fedavgm", 4), out=tmp_path / "fedavgm")
     again = dropfl.replay(recorded.path, out=tmp_path / "fedau", algo="fedau")
