@@ -619,3 +619,76 @@ def test_coordinator_field_options_checked_before_writing(box, no_network, extra
     case = box.case_dir()
     code, err = check(box, ["coordinator", *SIM_BASE, *extra], case)
     assert code == 2 and message in err and not (case / "out").exists()
+
+
+# --- plugin names and plugin options (an Options dataclass: docs/extending.md) ---
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory):
+    """tests/plugin_fixtures.py's plugins, good and bad, on sys.path as PYTHONPATH would put them (outside the
+    sandbox; no bytecode written); nothing is registered into dropfl's registries."""
+    import sys
+
+    from plugin_fixtures import BROKEN, MOD, SYNTAX, write_plugins
+
+    src = write_plugins(tmp_path_factory.mktemp("fuzzplugins"))
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(src))
+    mp.setattr(sys, "dont_write_bytecode", True)
+    yield MOD, BROKEN, SYNTAX
+    mp.undo()
+    for m in (MOD, BROKEN, SYNTAX):
+        sys.modules.pop(m, None)
+
+
+PLUGIN_ATTRS = ["FedAvgM", "Plain", "NotADataclass", "ListOption", "Required", "NoOptionsParameter", "NoWeighting",
+                "Markov", "markov_factory", "MarkovNoOptionsParameter", "Missing", "BUILT", ""]
+OPTION_KEYS = ["momentum", "nesterov", "schedule", "clip", "label", "p_off", "p_on"] * 3 + ["momentun", "", " momentum",
+                                                                                      "a=b", "ü"]
+OPTION_TEXT = st.one_of(NUMBERS, TEXT, st.sampled_from(["true", "false", "yes", "none", "null", "halving", "constant",
+                                                        "0.5", "1.5", "0", "1", "-0.1", "1e400"]))
+
+
+@st.composite
+def plugin_flags(draw, mod: str, broken: str, syntax: str) -> tuple[list[str], dict]:
+    """(flags, [strategy]/[availability] tables for a config file): a plugin of some module per kind, its options."""
+    module = st.sampled_from([mod] * 6 + [broken, syntax, "no_such_module_qq", ""])
+    argv: list[str] = []
+    tables: dict = {}
+    for kind, flag, opt_flag in (("strategy", "--algo", "--strategy-option"),
+                                 ("availability", "--availability", "--availability-option")):
+        if draw(st.integers(0, 4)):
+            name = draw(st.one_of(st.builds(lambda m, a: f"{m}:{a}", module, st.sampled_from(PLUGIN_ATTRS)),
+                                  st.sampled_from(["fedavg", "mimic", "static", "always", f"{mod}"])))
+            argv += [flag, name]
+        for _ in range(draw(st.integers(0, 3))):
+            pair = f"{draw(st.sampled_from(OPTION_KEYS))}={draw(OPTION_TEXT)}"
+            argv += [opt_flag, pair if draw(st.integers(0, 9)) else pair.partition("=")[0]]   # now and then no '='
+        if draw(st.integers(0, 3)) == 0:
+            tables[kind] = {"options": draw(st.one_of(
+                st.dictionaries(st.sampled_from(OPTION_KEYS), SCALARS, max_size=3), JSONISH))}
+    return argv, tables
+
+
+@FUZZ
+@given(data=st.data())
+@example(data=None)
+def test_plugin_names_and_options(box, plugin_path, data):
+    mod, broken, syntax = plugin_path
+    case = box.case_dir()
+    if data is None:   # a valid plugin with valid options from a flag and a config file: a run
+        flags, tables = ["--algo", f"{mod}:FedAvgM", "--strategy-option", "momentum=0.5"], {
+            "availability": {"kind": f"{mod}:Markov", "options": {"p_on": 1}}}
+    else:
+        flags, tables = data.draw(plugin_flags(mod, broken, syntax))
+    if tables:
+        (case / "plugin.json").write_text(json.dumps(tables))
+        flags = ["--config", "plugin.json", *flags]
+    code, err = check(box, _sim_argv(flags, box, case), case)
+    if data is None:
+        assert code == 0, err
+    last = err.strip().splitlines()[-1] if code else ""
+    if "-option " in last or ".options" in last:   # an error about an option names the plugin it is for
+        names = [v for a, v in zip(flags, flags[1:]) if a in ("--algo", "--availability")]
+        names += [t["kind"] for t in tables.values() if isinstance(t, dict) and "kind" in t] + ["fedavg", "always"]
+        assert any(n and n in last for n in names) or "KEY=VALUE" in last or "must be a table" in last, last
