@@ -610,21 +610,24 @@ def _plugin_reads(plugin_key: str, name: str) -> frozenset[str] | None:
     only its options, one with `from_config(StrategyConfig)` may read any (ANY), any other strategy gets
     `weighting`; an `Availability` subclass gets `min_active` and `first_round_all`, a callable (SimConfig) may read
     any (runsetup.build_strategy, availability.models.build)."""
-    from edge_client import options as po
-
     obj = _registry(plugin_key).entry(name).obj
-    try:
-        has_options = po.options_class(obj) is not None
-    except po.OptionsError:
-        has_options = True
     if plugin_key == "strategy.algo":
-        if has_options:
+        if _declares_options(obj):
             return frozenset()
         return ANY if hasattr(obj, "from_config") else frozenset({"weighting"})
     from coordinator.availability.models import Availability
     if isinstance(obj, type) and issubclass(obj, Availability):
         return frozenset({"min_active", "first_round_all"})
     return ANY
+
+
+def _declares_options(obj) -> bool:
+    from edge_client import options as po
+
+    try:
+        return po.options_class(obj) is not None
+    except po.OptionsError:
+        return True
 
 
 def inert_settings(cfg: SimConfig, sources: dict[str, str] | None = None) -> list[str]:
@@ -645,6 +648,9 @@ def inert_settings(cfg: SimConfig, sources: dict[str, str] | None = None) -> lis
         reads = None if entry.origin == "built-in" else _plugin_reads(plugin_key, chosen)
         if entry.origin != "built-in" and reads is ANY:
             continue
+        own = ""
+        if entry.origin != "built-in" and _declares_options(entry.obj):
+            own = f"; {chosen}'s own settings are its options: `dropfl plugins {section} {chosen}`"
         for f in dataclasses.fields(obj):
             applies = f.metadata.get("applies")
             key, v = f"{section}.{f.name}", getattr(obj, f.name)
@@ -658,7 +664,7 @@ def inert_settings(cfg: SimConfig, sources: dict[str, str] | None = None) -> lis
                 if not src or (src.startswith("in ") and sources.get(plugin_key, "").startswith("from ")):
                     continue
             lines.append(f"{key} {show(v)}{' ' + src if src else ''} does nothing for {plugin_key} {show(chosen)} "
-                         f"(it applies to {', '.join(applies)}): leave it out")
+                         f"(it applies to {', '.join(applies)}{own}): leave it out")
     return lines
 
 

@@ -292,7 +292,8 @@ def test_an_option_that_does_nothing_is_one_warning(plugins, tmp_path, caplog):
     # a plugin with Options gets only its options; an Availability subclass min_active and first_round_all
     assert _resolve(["--algo", ALGO, "--server-lr", "0.5"], caplog)[1] == [
         f'strategy.server_lr 0.5 from --server-lr does nothing for strategy.algo "{ALGO}" (it applies to fedavg, '
-        f'full, fedprox, scaffold, fdms, mimic, mimic-client, fedcs): leave it out']
+        f'full, fedprox, scaffold, fdms, mimic, mimic-client, fedcs; {ALGO}\'s own settings are its options: '
+        f'`dropfl plugins strategy {ALGO}`): leave it out']
     assert _resolve(["--availability", MARKOV, "--min-active", "2"], caplog)[1] == []
     assert len(_resolve(["--availability", MARKOV, "--p", "0.5"], caplog)[1]) == 1
     assert _resolve(["--availability", FACTORY, "--p", "0.5"], caplog)[1] == []   # a callable may read any
