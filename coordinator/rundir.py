@@ -39,7 +39,7 @@ from coordinator.reports import ReportsLog
 # mode's), never anything else a user put there.
 RUN_FILES = ("config.json", "metrics.jsonl", "participation.csv", "reports.jsonl", "checkpoint.pt",
              "checkpoint.prev.pt", "model.pt", "model.onnx", "field.json", "field.jsonl", "log.txt", "log.jsonl",
-             "crash.log", "friends.jsonl", "telemetry.jsonl", "diverged.json")
+             "crash.log", "friends.jsonl", "telemetry.jsonl", "diverged.json", "flower.json")
 CHECKPOINT, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
 DIVERGED = "diverged.json"   # {"round", "message"}: written by the round loop where the global model went non-finite
 STATE_DIRS = (statestore.LIVE, statestore.SNAPSHOTS)  # --state-store disk: RUN/state/, RUN/checkpoint.state/

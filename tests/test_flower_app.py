@@ -350,3 +350,17 @@ def test_under_dropfl_wraps_as_the_run_config_says(tmp_path, caplog):
     assert wrapped.clients == 3 and type(wrapped.availability).__name__ == "Static"
     said = [r.getMessage() for r in caplog.records if "Flower's FedAvg" in r.getMessage()]
     assert len(said) == 1 and "--algo fedavg --weighting uniform" in said[0]
+
+
+def test_overwrite_removes_a_flower_runs_flower_json(tmp_path):
+    """flower.json is one of a run's files (coordinator/rundir.py RUN_FILES): `--overwrite` of a directory that
+    held a Flower run leaves no stale one; a file the user put there stays."""
+    from coordinator.rundir import RunDir
+
+    recorder = RunRecorder(tmp_path / "run", {"data": {"clients": 2}, "model": {"model": "logreg"}}, strategy=fedavg())
+    recorder.close()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert json.loads((tmp_path / "run" / "flower.json").read_text())["strategy"] == \
+        "flwr.serverapp.strategy.fedavg.FedAvg"
+    RunDir(tmp_path / "run", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]
