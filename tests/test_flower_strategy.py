@@ -520,3 +520,63 @@ def test_dropfls_client_app_trains_the_task_it_is_sent_with_local_train():
     wrong = Message(task_record(model_arrays(model), task, 4), dst_node_id=NODE_IDS[1], message_type=MessageType.TRAIN)
     with pytest.raises(ValueError, match="holds partition 1, the task is for 2"):
         client_app(cfg)(wrong, context(NODE_IDS[1], {"partition-id": 1, "num-partitions": 4}))
+
+
+@pytest.mark.parametrize("algo", ["mifa", "fedlaavg"])
+def test_empty_rounds_under_the_availability_wrapper_are_dropfls(algo, tmp_path):
+    """Inside WithDropouts, a round with nobody available (round 1) and a round whose every reply is lost (round 2:
+    clients 1 and 3, both lost) still reach the dropfl strategy, which aggregates them as dropfl's loop does
+    (MIFA and FedLaAvg move the model by their stored updates): the final model and every table, bitwise."""
+    from dropfl.flower.availability import WithDropouts
+
+    empty = Participation([set(range(N)), set(), {1, 3}, {0, 2, 4}])
+    config = StrategyConfig(algo=algo)
+    w_loop, state_loop, _ = run_loop(algo, config, tmp_path, lose=(1, 3), participation=empty)
+    inner = DropflStrategy(algo, LOOP, config=config)
+    outer = WithDropouts(inner, empty, clients=N)
+    grid, arrays = FakeGrid(flower_train(False, []), lose=(1, 3)), w0_arrays()
+    models = [to_vector(arrays)]
+    for r in range(1, len(empty) + 1):
+        new, _ = outer.aggregate_train(r, grid.send_and_receive(outer.configure_train(r, arrays, ConfigRecord(),
+                                                                                      grid)))
+        arrays = new if new is not None else arrays
+        models.append(to_vector(arrays))
+    assert torch.equal(models[-1], w_loop)
+    assert_same_state(inner.state, state_loop)
+    import json
+
+    logged = [json.loads(line) for line in (tmp_path / "loop" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["participants"] for h in inner.history] == [r["participants"] for r in logged]
+    assert [h["participants"] for h in inner.history][1:3] == [0, 0] and inner.history[1]["selected"] == 0
+    lost = inner.history[2]["dropped"]   # every one selected in round 2 was lost
+    assert len(lost) == inner.history[2]["selected"] >= 1 and set(lost.values()) == {"deadline"}
+    assert not torch.equal(models[2], models[1]) and not torch.equal(models[3], models[2])   # the empty rounds moved
+
+
+def test_flowers_fedavg_under_the_wrapper_keeps_the_model_when_nobody_replies():
+    """Flower's FedAvg (min 0 nodes: asked every round) under WithDropouts, run by Flower's Strategy.start: a round
+    with nobody available and a round whose every reply is lost reach its aggregate_train with no replies; it
+    returns no arrays, and the model stays round 1's (no crash, no invented model)."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from dropfl.flower.availability import WithDropouts
+
+    inner = FedAvg(fraction_evaluate=0.0, min_train_nodes=0, min_evaluate_nodes=0, min_available_nodes=0)
+    calls: list[int] = []
+    aggregate = inner.aggregate_train
+    inner.aggregate_train = lambda r, replies: (lambda rs: calls.append(len(rs)) or aggregate(r, rs))(list(replies))
+    outer = WithDropouts(inner, Participation([set(range(N)), set(), {1, 3}]), clients=N)
+    def train(msg: Message, ctx: Context) -> Message:   # as Flower's quickstart replies
+        i, w = int(ctx.node_config["partition-id"]), to_vector(msg.content.array_records[ARRAYS])
+        return Message(RecordDict({ARRAYS: to_arrays(local_model(0, i, w), msg.content.array_records[ARRAYS]),
+                                   METRICS: MetricRecord({"num-examples": 10 * (i + 1)})}), reply_to=msg)
+
+    grid, w0 = FakeGrid(train, lose=(1, 3)), w0_arrays()
+    result = outer.start(grid, w0, num_rounds=3, timeout=10)
+    assert calls == [3, 0, 0]   # round 1: clients 0, 2, 4 (1 and 3 lost); rounds 2 and 3: no reply
+    assert sorted(result.train_metrics_clientapp) == [1]
+    one = [local_model(0, i, to_vector(w0)) for i in (0, 2, 4)]   # what the three trained to
+    weights = [10.0, 30.0, 50.0]   # num-examples 10 (i + 1)
+    assert torch.allclose(to_vector(result.arrays), sum(w * m for w, m in zip(weights, one)) / sum(weights))
+    assert [(h.configured, sorted(h.participated), h.dropped) for h in outer.history] == \
+        [(True, [0, 2, 4], {1: "deadline", 3: "deadline"}), (True, [], {}), (True, [], {1: "deadline", 3: "deadline"})]

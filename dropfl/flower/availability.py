@@ -18,7 +18,14 @@ t = r − 1. Each round:
    `offline`, `rejected`) is sent it and trains, and its reply is left out of the aggregate, as dropfl's round loop
    does. A replayed log with its own selection (`--replay-selection log`, `LoggedRound.selected`) shows the
    strategy only the recorded selection as available.
-3. **What Flower itself lost** is recorded as what it was, never as a device's choice: a selected node whose reply
+3. **Every round reaches the wrapped strategy** as Flower's own `Strategy.start` shows it one: `configure_train`
+   with the available nodes (none, where nobody is available), then `aggregate_train` with the replies kept, an
+   empty list included (nobody available, every reply lost or left out). A dropfl strategy (`DropflStrategy`)
+   then aggregates the empty round as dropfl's round loop does (MIFA and FedLaAvg move the model by their stored
+   updates); Flower's FedAvg returns no arrays for it and the model stays. Only a strategy that waits for more
+   nodes than the round has (`min_available_nodes` / `min_train_nodes` of Flower's strategies, whose sampling
+   would sleep until they connect) is not asked that round: it trains nobody, said once in the log.
+4. **What Flower itself lost** is recorded as what it was, never as a device's choice: a selected node whose reply
    did not come back within `start(timeout=...)` is `deadline`; an error reply is `offline` where Flower says the
    node is gone (`NODE_UNAVAILABLE`), `deadline` where the message or its reply expired (`MESSAGE_UNAVAILABLE`,
    `REPLY_MESSAGE_UNAVAILABLE`), and `rejected` for any other error (the ClientApp raised or crashed, a mod
@@ -66,7 +73,7 @@ class FlowerRound:
     participated: set[int] = field(default_factory=set)
     dropped: dict[int, str] = field(default_factory=dict)
     train_loss: float | None = None
-    configured: bool = True     # False: fewer nodes available than the strategy needs; nobody was asked
+    configured: bool = True     # False: fewer nodes available than the strategy waits for; it was not asked
 
 
 class _AvailableGrid(Grid):
@@ -189,9 +196,9 @@ class WithDropouts(Strategy):
         logged = getattr(avail, "selected", None)             # a replayed log's own selection
         visible = list(logged) if logged is not None else avail.active
         need = _needs(self.strategy, "train")
-        if len(visible) < max(need, 1):
+        if len(visible) < need:   # its sampling would wait for ever: the round is not shown to it
             self._say("short", f"round {t}: {len(visible)} clients available, {type(self.strategy).__name__} needs "
-                      f"{max(need, 1)} (min_available_nodes / min_train_nodes); the round trains nobody")
+                      f"{need} (min_available_nodes / min_train_nodes); the round trains nobody")
             self._current, self._sent = FlowerRound(t, avail, [], configured=False), {}
             return []
         view = _AvailableGrid(grid, [nodes.node(p) for p in visible])
@@ -244,8 +251,9 @@ class WithDropouts(Strategy):
         losses = [_metric(m, "train_loss") for m in kept]
         losses = [x for x in losses if x is not None and math.isfinite(x)]
         rnd.train_loss = sum(losses) / len(losses) if losses else None
-        if not kept:
-            return None, None
+        # every reply kept, none included: as Flower's own Strategy.start calls aggregate_train after every
+        # configure_train whatever came back (a dropfl strategy aggregates an empty round: MIFA, FedLaAvg move the
+        # model by their stored updates; Flower's FedAvg returns no arrays and the model stays)
         return self.strategy.aggregate_train(server_round, kept)
 
     # --- evaluation ---------------------------------------------------------------------------------------------
