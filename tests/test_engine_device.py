@@ -59,7 +59,7 @@ def test_the_batch_independent_models_are_those_the_engine_finds_independent():
 @pytest.mark.parametrize("present", [True, False])
 def test_auto_is_the_cpu_for_lenets_and_a_gpu_for_the_rest_where_there_is_one(monkeypatch, present):
     gpu(monkeypatch, present)
-    for name in MODELS:
+    for name in MODELS.registered():
         want = "cpu" if name in cpu_first() or not present else "cuda"
         assert engine_device("auto", model(name)).type == want, name
         assert engine_device(None, model(name)).type == want, name
@@ -136,7 +136,7 @@ def test_the_lockstep_planner_follows_the_device_choice(monkeypatch):
     assert why_not(cfg) is None
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", MODELS.registered())   # built-ins (a plugin has its own tests)
 def test_auto_slices_follow_the_cores_only_where_they_cannot_change_the_results(monkeypatch, name):
     """--slices 0 (auto, the default): one slice per core, at least 2 and at most AUTO_SLICES_MAX, for the models
     whose clients' results do not depend on their computation's other clients (batch_independent: mlp, logreg, the

@@ -66,7 +66,7 @@ def reference(model: torch.nn.Module, w: torch.Tensor, data, tasks: list[TrainTa
     return [local_train(model, w, *data[t.client], t) for t in tasks]
 
 
-@pytest.mark.parametrize("name,native", engine_variants(MODELS))
+@pytest.mark.parametrize("name,native", engine_variants(MODELS.registered()))   # built-ins (a plugin has its own tests)
 def test_batched_matches_loop_under_dropouts(name: str, native: bool | str) -> None:
     small = name == "vgg11"  # VGG-11 is ~9 M parameters: very few samples keep the test fast
     sizes, batch, steps = ([2, 2, 1, 1, 0], 2, 2) if small else ([21, 16, 7, 12, 0], 4, 5)

@@ -87,7 +87,7 @@ EDIT_LOOP = ("fedavg", "mimic", "scaffold")
 
 
 @pytest.mark.parametrize("algo", [a if a in EDIT_LOOP else pytest.param(a, marks=pytest.mark.slow)
-                                  for a in sorted(STRATEGIES)])
+                                  for a in sorted(STRATEGIES.registered())])
 def test_replay_is_exact_for_every_strategy(base, algo, caplog):
     d, opts = base / algo, options(algo, base)
     w_r = sim(d / "R", *opts, *DROPOUTS)
