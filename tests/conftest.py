@@ -14,11 +14,13 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 #   device  the device side as installed on a board: other Pythons, the emulated Raspberry Pi, setup-device.sh, CUDA
 # `make test-fast` runs unit and engine tests not marked slow; `make test` runs every tier (what CI runs).
 TIERS = {
+    "unit": ("test_field_closing",),   # the field's round-closing rule, a pure function: no broker
     "device": ("test_emulated_pi", "test_device_pythons", "test_setup_device", "test_agent_device", "test_cuda"),
     "field": ("test_field_", "test_trial_", "test_broker_security", "test_netem", "test_agent_lean", "test_provision",
               "test_telemetry", "test_dashboard", "test_alloc", "test_replay_field_engine", "test_tracking"),
     "engine": ("test_kernels", "test_batched_fastpath", "test_engine_", "test_evaluator", "test_absorb_exact",
-               "test_replay_exact", "test_sweep", "test_ray", "test_functional_engine"),
+               "test_replay_exact", "test_sweep", "test_ray", "test_functional_engine", "test_objectives",
+               "test_flower_equivalence", "test_flower_app", "test_flower_docs", "test_examples", "test_tutorial"),
 }
 # a test that needs a broker, root or a cluster is a field test wherever it lives
 FIELD_MARKS = ("mosquitto", "root", "cluster")
