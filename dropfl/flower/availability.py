@@ -46,19 +46,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from coordinator.availability.models import RoundAvailability
 from coordinator.loop import DECLINED
 from dropfl.flower.nodes import NodeMap, discover
+from dropfl.flower.strategy import error_reason
 
 log = logging.getLogger("dropfl.flower")
 
-# Flower's error codes of a reply, as the reason of a selected client that sent no update (docs/flower.md)
-ERROR_REASONS = {ErrorCode.NODE_UNAVAILABLE: "offline", ErrorCode.MESSAGE_UNAVAILABLE: "deadline",
-                 ErrorCode.REPLY_MESSAGE_UNAVAILABLE: "deadline"}
 
 
 @dataclass
@@ -237,7 +234,7 @@ class WithDropouts(Strategy):
             if p in rnd.dropped:
                 continue   # a recorded drop: it trained, its update is left out
             if m.has_error():
-                code, reason = m.error.code, ERROR_REASONS.get(m.error.code, "rejected")
+                code, reason = m.error.code, error_reason(m.error.code, m.error.reason)
                 rnd.dropped[p] = reason
                 log.warning("round %d: client %d (node %d) answered with Flower error %d (%s); recorded as dropped, "
                             "%s", rnd.round, p, node, code, m.error.reason, reason,

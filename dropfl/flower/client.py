@@ -4,7 +4,8 @@
     app = client_app(cfg)        # cfg: a dropfl SimConfig (dataset, partition, model, seed)
 
 The app answers `dropfl.flower.nodes.discover`'s query with its partition id, and trains the task that
-`DropflStrategy` sends (`task_from_message`) on its partition of the federation's data (`shard`: dropfl's
+`DropflStrategy` sends (`task_from_message`, its local objectives included: FedProx's, SCAFFOLD's, a plugin's
+installed here) on its partition of the federation's data (`shard`: dropfl's
 partitioner, as `dropfl sim` cuts it), replying with the trained model (ArrayRecord "arrays") and a MetricRecord
 "metrics": num-examples, steps, lr, train_loss and compute-s (the measured training time).
 """
@@ -19,19 +20,33 @@ from flwr.clientapp import ClientApp
 
 from coordinator.config import SimConfig
 from dropfl.flower.nodes import partition_of, partition_reply
-from dropfl.flower.strategy import ARRAYS, CONFIG, CORRECTION, METRICS, model_arrays, to_vector
+from dropfl.flower.strategy import ARRAYS, CONFIG, DECLINED_TASK, METRICS, OBJECTIVES, model_arrays, to_vector
+from edge_client import objectives
 from edge_client.models import build_model
+from edge_client.registry import PluginError
 from edge_client.trainer import TrainTask, evaluate, local_train
 
 
+class TaskDeclined(RuntimeError):
+    """A task this client cannot train as asked (a local objective not installed here). Flower's runtime answers
+    the message with an error reply whose reason holds this message; DropflStrategy records "declined"."""
+
+
 def task_from_message(msg: Message) -> TrainTask:
-    """The dropfl TrainTask in a `DropflStrategy` training message (`strategy.task_record` writes it)."""
+    """The dropfl TrainTask in a `DropflStrategy` training message (`strategy.task_record` writes it), its local
+    objectives decoded with this process's registry (`edge_client.objectives.decode`: registered names and
+    installed entry points; a module a message names is never imported). TaskDeclined names an objective that
+    is not installed here."""
     c = msg.content.config_records[CONFIG]
-    corr = msg.content.array_records.get(CORRECTION)
+    record = msg.content.array_records.get(OBJECTIVES)
+    tensor = to_vector(record) if record is not None else None
+    try:
+        objs = objectives.decode(json.loads(str(c[OBJECTIVES])), tensor) if OBJECTIVES in c else ()
+    except PluginError as e:
+        raise TaskDeclined(f"{DECLINED_TASK}{e}") from None
     return TrainTask(client=int(c["partition-id"]), round=int(c["round"]), lr=float(c["lr"]),
                      batch_size=int(c["batch-size"]), epochs=int(c["epochs"]) if "epochs" in c else None,
-                     steps=int(c["steps"]) if "steps" in c else None, prox_mu=float(c["prox-mu"]),
-                     grad_correction=to_vector(corr) if corr is not None else None, seed=int(c["seed"]),
+                     steps=int(c["steps"]) if "steps" in c else None, objectives=objs, seed=int(c["seed"]),
                      dropout_rate=float(c["dropout-rate"]) if "dropout-rate" in c else None,
                      sparse_download=bool(c.get("sparse-download", False)))
 

@@ -54,6 +54,7 @@ replies arrived in (a mean over a stack of deltas has other float bits in anothe
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Iterable
@@ -75,6 +76,7 @@ from coordinator.loop import DECLINED, LoopConfig
 from coordinator.strategies import STRATEGIES, ClientUpdate
 from coordinator.strategies import Strategy as DropflBase
 from dropfl.flower.nodes import NodeMap, discover
+from edge_client import objectives
 from edge_client.registry import PluginError, blame
 from edge_client.report import ClientReport
 from edge_client.trainer import TrainTask
@@ -82,7 +84,7 @@ from edge_client.trainer import TrainTask
 log = logging.getLogger("dropfl.flower")
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"   # the record names of Flower's quickstart and FedAvg
-CORRECTION, MASK = "grad-correction", "mask"             # SCAFFOLD's c − c_i to the client; FedDD's upload mask
+OBJECTIVES, MASK = "objectives", "mask"   # the task's local objectives (ConfigRecord key, ArrayRecord); FedDD's mask
 STATE, MODEL, META = "dropfl.state", "dropfl.model", "dropfl.meta"   # what is kept in Context.state
 # Reasons of a selected client whose update was not aggregated because of Flower (coordinator/availability REASONS,
 # as dropfl/flower/availability.py records them): no reply within the round's timeout is "deadline"; an error reply
@@ -93,6 +95,18 @@ STATE, MODEL, META = "dropfl.state", "dropfl.model", "dropfl.meta"   # what is k
 NOT_CONNECTED = "not_connected"
 ERROR_REASONS = {ErrorCode.NODE_UNAVAILABLE: "offline", ErrorCode.MESSAGE_UNAVAILABLE: "deadline",
                  ErrorCode.REPLY_MESSAGE_UNAVAILABLE: "deadline"}
+# what dropfl's ClientApp raises for a task it cannot train as asked (a local objective not installed there,
+# dropfl/flower/client.py): Flower's runtime puts the message in the error reply's reason, and the client is
+# recorded "declined", as a device agent's decline of the same task is (docs/objectives.md)
+DECLINED_TASK = "dropfl: the client declined the task: "
+
+
+def error_reason(code: int, reason: str) -> str:
+    """The participation reason of a Flower error reply (ERROR_REASONS; `declined` for DECLINED_TASK; else
+    `rejected`)."""
+    if code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION and DECLINED_TASK in (reason or ""):
+        return "declined"
+    return ERROR_REASONS.get(code, "rejected")
 # ClientReport fields a reply may carry as metrics (FedDD's allocation, FedCS's estimates)
 REPORT_METRICS = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(ClientReport)}
 
@@ -330,7 +344,7 @@ class DropflStrategy(FlowerStrategy):
                 continue
             i = self.nodes.partition(src)
             if msg.has_error():
-                dropped[i] = ERROR_REASONS.get(msg.error.code, "rejected")
+                dropped[i] = error_reason(msg.error.code, msg.error.reason)
                 errors[i] = f"flower error {msg.error.code}: {msg.error.reason}"
                 log.warning("round %d: client %d (node %d): %s", r.t, i, src, errors[i])
                 continue
@@ -394,10 +408,14 @@ class DropflStrategy(FlowerStrategy):
 
 
 def task_record(arrays: ArrayRecord, task: TrainTask, server_round: int, extra: dict | None = None) -> RecordDict:
-    """What a client receives: the global model and its dropfl TrainTask (`client.task_from_message` reads it)."""
+    """What a client receives: the global model and its dropfl TrainTask (`client.task_from_message` reads it).
+    The task's local objectives (FedProx's, SCAFFOLD's, a plugin's) travel as `edge_client.objectives.encode`
+    writes them for a device: the list (names and parameters) as JSON in the ConfigRecord's "objectives", their
+    tensors as one float32 array in the ArrayRecord "objectives"."""
     cfg = ConfigRecord(dict(extra or {}))
+    meta, tensor = objectives.encode(task.objectives)   # by registry name; their tensors as one float32 vector
     cfg.update({"server-round": server_round, "round": task.round, "partition-id": task.client, "lr": task.lr,
-                "batch-size": task.batch_size, "seed": task.seed, "prox-mu": task.prox_mu})
+                "batch-size": task.batch_size, "seed": task.seed, OBJECTIVES: json.dumps(meta)})
     if task.epochs is not None:
         cfg["epochs"] = task.epochs
     if task.steps is not None:
@@ -406,8 +424,8 @@ def task_record(arrays: ArrayRecord, task: TrainTask, server_round: int, extra: 
         cfg["dropout-rate"] = task.dropout_rate
         cfg["sparse-download"] = task.sparse_download
     content = {ARRAYS: arrays, CONFIG: cfg}
-    if task.grad_correction is not None:
-        content[CORRECTION] = ArrayRecord({CORRECTION: Array(task.grad_correction.detach().cpu().numpy().copy())})
+    if tensor is not None:
+        content[OBJECTIVES] = ArrayRecord({OBJECTIVES: Array(tensor.detach().cpu().numpy().copy())})
     return RecordDict(content)
 
 
