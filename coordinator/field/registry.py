@@ -97,9 +97,7 @@ class Registry:
             a = self.agents[device] = self.by_client[c] = AgentInfo(device, c)
         if state == "online":
             a.announce = meta
-            diff = federation.diff(self.binding, meta)
-            a.mismatch = None if not diff else "data binding differs: " + ", ".join(
-                f"{k} (agent {mine!r}, coordinator {theirs!r})" for k, (mine, theirs) in diff.items())
+            a.mismatch = federation.refusal(self.binding, meta)
             if a.mismatch:
                 log.warning("device %s will not be selected: %s", device, a.mismatch)
             # an agent's answer to our announce request (`reply`) while we hold it online is no rejoin:
@@ -118,7 +116,7 @@ class Registry:
             a.online = False
             self._agent_offline(a.client)
         self.write_log({"event": "agent", "device": device, "client": a.client, "state": state,
-                        "retained": retained, "time": time.time()})
+                        "retained": retained, "time": time.time()} | ({"refused": a.mismatch} if a.mismatch else {}))
 
     # --- queries (loop thread, under cond) ---
     def is_online(self, a: AgentInfo, now: float) -> bool:
