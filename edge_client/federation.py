@@ -240,7 +240,7 @@ def refusal(mine: DataBinding, theirs: dict) -> str | None:
         return None
     parts = [f"{k} (agent {a!r}, coordinator {c!r})" for k, (a, c) in d.items() if k != "plugins"]
     for p, t in plugin_diff(mine, theirs):
-        agent = "not installed" if t is None else PluginId(
+        agent = "none" if t is None else PluginId(
             p.kind, p.name, str(t.get("dist") or ""), str(t.get("version") or ""), str(t.get("digest") or "")
         ).describe()
         todo = (f"install {p.dist} {p.version} on the device" if p.dist and p.dist != BUILT_IN
@@ -248,7 +248,8 @@ def refusal(mine: DataBinding, theirs: dict) -> str | None:
                 else f"put the same module {p.name.partition(':')[0]} on the device")
         if p.digest and t is not None and (t.get("dist"), t.get("version")) == (p.dist, p.version):
             todo += " (same version, other code: reinstall it from the coordinator's build)"
-        parts.append(f"{p.kind} plugin {p.name!r}: agent has {agent}, coordinator {p.describe()}: {todo}")
+        parts.append(f"{p.kind} plugin {p.name!r} differs (on the agent: {agent}; on the coordinator: "
+                     f"{p.describe()}): {todo}")
     return "data binding differs: " + "; ".join(parts)
 
 
