@@ -51,7 +51,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from coordinator.availability.models import RoundAvailability
 from coordinator.loop import DECLINED
-from dropfl.flower.nodes import NodeMap, discover
+from dropfl.flower.nodes import DISCOVER_TIMEOUT, NodeMap, discover
 from dropfl.flower.strategy import error_reason
 
 log = logging.getLogger("dropfl.flower")
@@ -151,7 +151,7 @@ class WithDropouts(Strategy):
     """
 
     def __init__(self, strategy: Strategy, availability, *, clients: int | None = None, nodes: NodeMap | None = None,
-                 recorder=None, discover_timeout: float = 60.0):
+                 recorder=None, discover_timeout: float = DISCOVER_TIMEOUT):
         n = clients if clients is not None else getattr(availability, "n", None)
         if n is None:
             raise ValueError("WithDropouts: give clients= (the availability source has no `n`)")

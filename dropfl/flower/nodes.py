@@ -129,7 +129,13 @@ def from_reply(message: Message) -> tuple[int, int]:
                            f"answer queries with dropfl.flower.nodes.partition_reply?)") from None
 
 
-def discover(grid, n_clients: int | None = None, timeout: float = 60.0, wait: float = 60.0) -> NodeMap:
+# how long discovery waits for the answers: they include each ClientApp's start (in Flower's simulation, a Ray
+# actor importing torch and the app), which takes over a minute on a loaded 2-core machine; a slow answer is not
+# a missing node, so the default is generous, and a node that never answers still fails the run with its partition
+DISCOVER_TIMEOUT = 300.0
+
+
+def discover(grid, n_clients: int | None = None, timeout: float = DISCOVER_TIMEOUT, wait: float = 60.0) -> NodeMap:
     """Server side: ask every connected node for its partition id (one `query` message each).
 
     Waits up to `wait` seconds for `n_clients` nodes to connect (when given), then for up to `timeout`

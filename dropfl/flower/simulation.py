@@ -16,8 +16,9 @@ own:
 (the app's `[tool.flwr.app.config]` must declare the first three, as Flower accepts only declared keys; the
 others are passed where it declares them). It drives Flower 1.41's simulation runtime as
 `flwr`'s own simulation process does (`flwr.simulation.run_simulation._run_simulation` with the app directory
-and a Run carrying the override config): `flwr run` would need a SuperLink and installs the app's
-dependencies, which a test here cannot do offline.
+and a Run carrying the override config). `flwr run` would submit the app as a FAB to a SuperLink, which for a
+local simulation it starts as a detached process that outlives the command and which installs the FAB under
+Flower's home directory (docs/flower.md: not tested here).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ from coordinator.errors import UserError
 from coordinator.loop import DECLINED, LoopConfig
 from coordinator.strategies import STRATEGIES, ClientUpdate
 from coordinator.strategies import Strategy as DropflBase
-from dropfl.flower.nodes import NodeMap, discover
+from dropfl.flower.nodes import DISCOVER_TIMEOUT, NodeMap, discover
 from edge_client import objectives
 from edge_client.registry import PluginError, blame
 from edge_client.report import ClientReport
@@ -245,7 +245,7 @@ class DropflStrategy(FlowerStrategy):
             docstring for what survives. None: kept in this object only.
         state_file: a file to write that RecordDict to after every round (`state_to_file`; a new RecordDict
             where `state` is None), so that a ServerApp started again resumes with `state=state_from_file(PATH)`.
-        timeout: seconds `discover` waits for the nodes' answers.
+        timeout: seconds `discover` waits for the nodes' answers (`nodes.DISCOVER_TIMEOUT`, 300).
         evaluate: send the global model to every connected node after each round (Flower's federated
             evaluation; the replies' MetricRecords are averaged weighted by "num-examples"). False (default):
             no client-side evaluation; pass `evaluate_fn` to `start` for a central one.
@@ -259,7 +259,7 @@ class DropflStrategy(FlowerStrategy):
 
     def __init__(self, strategy: str | DropflBase, loop: LoopConfig, *, config: StrategyConfig | None = None,
                  participation=None, nodes: NodeMap | None = None, state: RecordDict | None = None,
-                 state_file: str | Path | None = None, timeout: float = 60.0, evaluate: bool = False):
+                 state_file: str | Path | None = None, timeout: float = DISCOVER_TIMEOUT, evaluate: bool = False):
         self.strategy = build_dropfl_strategy(strategy, config, loop) if isinstance(strategy, str) else strategy
         self.loop, self.participation, self.nodes = loop, participation, nodes
         if state is None and state_file is not None:
