@@ -389,10 +389,11 @@ def init(root: Path, hosts: list[str], port: int = DEFAULT_PORT, bind: str | Non
     return s
 
 
-def add_device(root: Path, name: str, host: str | None = None) -> tuple[Path, bool]:
+def add_device(root: Path, name: str, host: str | None = None, plugins: tuple[Path, ...] = ()) -> tuple[Path, bool]:
     """Creates credentials and a bundle for `name`. Returns (bundle archive, whether the broker reloaded).
     A device that already exists is an error (its bundle is already out there); revoke it first to
-    issue new credentials."""
+    issue new credentials. `plugins`: wheel files put into the bundle as NAME/plugins/WHEEL (setup-device.sh
+    installs them)."""
     check_name(name)
     d = BrokerDir(root)
     s = load_settings(d)
@@ -411,6 +412,10 @@ def add_device(root: Path, name: str, host: str | None = None) -> tuple[Path, bo
     agent = agent_config(s, dial, name, password)
     _write(bundle_dir / "agent.json", json.dumps(agent, indent=2) + "\n", 0o600)
     shutil.copyfile(d.ca_crt, bundle_dir / "ca.crt")
+    if plugins:
+        (bundle_dir / "plugins").mkdir()
+        for whl in plugins:
+            shutil.copyfile(whl, bundle_dir / "plugins" / Path(whl).name)
     archive = d.devices / f"{name}.tar.gz"
     fd, tmp = tempfile.mkstemp(dir=d.devices, prefix=f".{name}.")
     os.close(fd)

@@ -218,8 +218,10 @@ if [ "$SKIP_TORCH" = 0 ]; then
   [ -f "$CONSTRAINTS" ] || die "constraints file $CONSTRAINTS not found (pass --constraints FILE)"
 fi
 
-# The bundle: exactly NAME/agent.json and NAME/ca.crt (a tar.gz), or a directory with those two files.
-# Python reads it (tarfile, no extraction to disk) and prints the merged agent config as JSON.
+# The bundle: exactly NAME/agent.json and NAME/ca.crt (a tar.gz), or a directory with those two files; plus, where
+# `dropfl provision add-device --plugin` put some, the plugin wheels NAME/plugins/*.whl.
+# Python reads it (tarfile, no extraction to disk) and prints the merged agent config as JSON; `plugins` prints
+# the wheels' names and, unless --dry-run, writes them into $OPT/plugins.
 if [ "$BATTERY" = auto ]; then
   battery=model
   for d in "$POWER_SUPPLY_DIR"/*; do
@@ -233,8 +235,8 @@ else
   battery=$BATTERY
 fi
 
-read_bundle() {  # read_bundle config|ca
-  "$PYTHON" - "$1" "$BUNDLE" "$AGENT_CONFIG" "$battery" "$BATTERY" "$ETC/ca.crt" "$STATE" <<'PY'
+read_bundle() {  # read_bundle config|ca|host|plugins
+  "$PYTHON" - "$1" "$BUNDLE" "$AGENT_CONFIG" "$battery" "$BATTERY" "$ETC/ca.crt" "$STATE" "$OPT/plugins" "$DRY_RUN" <<'PY'
 import json, sys, tarfile
 try:
     import tomllib
@@ -245,26 +247,41 @@ except ModuleNotFoundError:  # Python 3.10 (a Jetson's system Python)
         tomllib = None
 from pathlib import Path
 
-what, bundle, overlay, battery, battery_flag, ca_path, state = sys.argv[1:]
+what, bundle, overlay, battery, battery_flag, ca_path, state, plugin_dir, dry_run = sys.argv[1:]
 b = Path(bundle)
 def fail(msg):
     print(f"setup-device: error: bundle {bundle}: {msg}", file=sys.stderr)
     sys.exit(2)
+def is_wheel(name):
+    return name.endswith(".whl") and "/" not in name and not name.startswith(".")
 if b.is_dir():
     files = {n: (b / n).read_bytes() for n in ("agent.json", "ca.crt") if (b / n).is_file()}
+    if (b / "plugins").is_dir():
+        files |= {f"plugins/{p.name}": p.read_bytes() for p in sorted((b / "plugins").iterdir())
+                  if p.is_file() and is_wheel(p.name)}
 else:
     try:
         with tarfile.open(b, "r:gz") as tar:
             members = [m for m in tar.getmembers() if not m.isdir()]
             names = sorted(m.name for m in members)
             top = names[0].split("/")[0] if names else ""
-            if names != [f"{top}/agent.json", f"{top}/ca.crt"] or not all(m.isfile() for m in members):
-                fail(f"expected NAME/agent.json and NAME/ca.crt, found {names}")
-            files = {n.split("/")[1]: tar.extractfile(n).read() for n in names}
+            wheels = [n for n in names if n.startswith(f"{top}/plugins/") and is_wheel(n[len(top) + 9:])]
+            if sorted(set(names) - set(wheels)) != [f"{top}/agent.json", f"{top}/ca.crt"] \
+                    or not all(m.isfile() for m in members):
+                fail(f"expected NAME/agent.json, NAME/ca.crt and plugin wheels NAME/plugins/*.whl, found {names}")
+            files = {n.split("/", 1)[1]: tar.extractfile(n).read() for n in names}
     except (tarfile.TarError, OSError) as e:
         fail(f"not a readable .tar.gz ({e})")
-if sorted(files) != ["agent.json", "ca.crt"]:
+if sorted(n for n in files if not n.startswith("plugins/")) != ["agent.json", "ca.crt"]:
     fail("agent.json or ca.crt is missing")
+if what == "plugins":
+    for n, data in sorted(files.items()):
+        if n.startswith("plugins/"):
+            if dry_run == "0":
+                Path(plugin_dir).mkdir(parents=True, exist_ok=True)
+                (Path(plugin_dir) / n[8:]).write_bytes(data)
+            print(n[8:])
+    sys.exit(0)
 if what == "ca":
     sys.stdout.write(files["ca.crt"].decode())
     sys.exit(0)
@@ -351,6 +368,13 @@ case $TORCH_SOURCE in
 esac
 # --no-deps: the agent needs only the packages above (the coordinator's cvxpy, matplotlib... stay off).
 run "${PIP[@]}" install "${pip_extra[@]}" --no-deps --force-reinstall "$AGENT"
+# The bundle's plugin wheels (`dropfl provision add-device --plugin`), offline, without their dependencies (the
+# agent's, above, are what a dropfl plugin needs; any other must already be in the venv)
+mapfile -t plugin_wheels < <(read_bundle plugins) || exit 2
+if [ "${#plugin_wheels[@]}" -gt 0 ]; then
+  [ "$DRY_RUN" = 1 ] || say "plugins: wrote ${plugin_wheels[*]} into $OPT/plugins"
+  run "${PIP[@]}" install --no-index --no-deps --force-reinstall "${plugin_wheels[@]/#/$OPT/plugins/}"
+fi
 
 write_file "$ETC/ca.crt" 644 "$ca"
 # The config holds the device's password: only its owner (and the service user's group) may read it.
