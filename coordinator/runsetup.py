@@ -12,11 +12,12 @@ the model, the strategy and the availability source, then creates the run direct
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from coordinator.statestore import StateStore, auto_kind, check_snapshots
 from coordinator.strategies import STRATEGIES, Strategy
 from edge_client import datasets, federation, logs, partition
 from edge_client.federation import DataBinding
-from edge_client.models import build_model, get_flat, set_flat
+from edge_client.models import build_model, get_buffers, get_flat, set_buffers, set_flat
 from edge_client.options import build as build_options
 from edge_client.options import options_class
 from edge_client.registry import PluginError, blame
@@ -88,6 +89,9 @@ class Run:
     availability: object | None      # sim: the source; field: None (the agents are the source)
     client_data: list[tuple[torch.Tensor, torch.Tensor]] | None  # sim: every client's shard
     checkpoint: dict | None = None   # --resume: the checkpoint check_resume read and checked (read once)
+    # the global model's buffers (BatchNorm's running statistics; {} for a model without): the round loop updates
+    # this dict in place (coordinator/buffers.py), evaluation and the final model read it
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -97,10 +101,12 @@ class Run:
         return get_flat(self.model)
 
     def evaluate(self, w: torch.Tensor) -> tuple[float, float]:
-        return evaluate(self.eval_model, w, self.ds.test.x, self.ds.test.y)
+        return evaluate(self.eval_model, w, self.ds.test.x, self.ds.test.y, buffers=self.buffers)
 
     def save_final(self, w: torch.Tensor) -> None:
         set_flat(self.eval_model, w)
+        if self.buffers:
+            set_buffers(self.eval_model, self.buffers)
         self.rundir.save_model(self.eval_model)
 
 
@@ -275,6 +281,10 @@ def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
         raise UserError(f"--resume: {path / CHECKPOINT} holds a model of {getattr(w, 'numel', lambda: '?')()} "
                         f"parameters, --model {cfg.model.model} has {n}; resume with the run's own config "
                         f"(--config {path / 'config.json'})")
+    own = get_buffers(model)
+    if own and set(ck.get("buffers", {})) != set(own):
+        raise UserError(f"--resume: {path / CHECKPOINT} holds no buffers of --model {cfg.model.model} (BatchNorm "
+                        f"statistics: a checkpoint written before they were federated); start a new run")
     saved = path / "config.json"
     if saved.exists():
         try:
@@ -296,6 +306,23 @@ def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
     return ck
 
 
+def check_model_fits(name: str, model: torch.nn.Module, ds: datasets.Dataset) -> None:
+    """One training row through a copy of the model (eval mode, no grad: no state changes): a model that does not
+    take the dataset's inputs, or does not give one logit per class, is a UserError before anything is written."""
+    x = ds.train.x[:1]
+    shape = tuple(x.shape[1:])
+    try:
+        with torch.no_grad():
+            out = copy.deepcopy(model).eval()(x)
+    except Exception as e:   # torch's shape errors are RuntimeErrors, a plugin's may be anything
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"--model {name}: it does not take {ds.name}'s inputs of shape {shape} ({first}); "
+                        f"pick a model for this shape (docs/datasets.md lists which built-in fits which)") from None
+    if tuple(out.shape) != (1, ds.num_classes):
+        raise UserError(f"--model {name}: it gives outputs of shape {tuple(out.shape)[1:]} for one input of "
+                        f"{ds.name}, which has {ds.num_classes} classes; it must give one logit per class")
+
+
 def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False, overwrite: bool = False) -> Run:
     """Everything a run needs, built and checked before the run directory is written: nothing in `out`
     changes if any input (flags, files, traces, dataset, checkpoint) is wrong."""
@@ -315,6 +342,7 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
         eval_model = build_model(cfg.model.model, shape, ds.num_classes, cfg.run.seed, cfg.model.dropout)
     except ValueError as e:   # build_model's messages start with --model
         raise UserError(str(e) if str(e).startswith("--model") else f"--model {cfg.model.model}: {e}") from e
+    check_model_fits(cfg.model.model, eval_model, ds)
     checkpoint = check_resume(cfg, path, model) if resume else None
     store = auto_kind(cfg.run.state_store, cfg.data.clients, sum(p.numel() for p in model.parameters()))
     strategy.store = StateStore(store, path)  # nothing is written before the round loop creates the tables
@@ -335,4 +363,4 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
              cfg.data.dataset, cfg.data.clients, cfg.availability.kind if mode == "sim" else "field",
              binding.data_digest, " (resumed)" if resume else "")
     return Run(cfg, rundir, ds, binding, model, eval_model, strategy, loop_config(cfg), availability, shards,
-               checkpoint)
+               checkpoint, get_buffers(model))

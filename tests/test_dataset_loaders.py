@@ -340,6 +340,25 @@ def test_bad_data_is_a_user_error_through_dropfl_simulate(tmp_path):
         assert not out.exists()
 
 
+def test_a_model_that_does_not_take_the_data_s_shape_is_one_line_and_nothing_is_written(tmp_path, capsys):
+    """mimic-cnn's two 5x5 convolutions need images of side 16 or more: on 8x8 images the model is refused before
+    the run directory exists, naming the model, the shape and where to look (not a crash.log in a new run dir)."""
+    x = RNG.integers(0, 256, (6, 8, 8), dtype=np.uint8)
+    _tiny_npz(tmp_path / "small.npz", x, x)
+    out = tmp_path / "run"
+    assert _sim(out, "--dataset", "npz", "--data-dir", str(tmp_path / "small.npz"), "--model", "mimic-cnn",
+                "--partition", "iid", "--clients", "3") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dropfl: error: --model mimic-cnn: it does not take npz's inputs of "
+                                               "shape (1, 8, 8) ("), err
+    assert "docs/datasets.md" in err[0] and not out.exists()
+    with pytest.raises(dropfl.UserError, match=r"--model mimic-cnn: it does not take npz's inputs of shape"):
+        dropfl.simulate({"data": {"dataset": "npz", "data_dir": str(tmp_path / "small.npz"), "clients": 3,
+                                  "partition": "iid"},
+                         "model": {"model": "mimic-cnn"}, "run": {"rounds": 1}}, out=tmp_path / "api")
+    assert not (tmp_path / "api").exists()
+
+
 # --- end to end: a 2-round dropfl sim on each ------------------------------------------------------------------------
 
 def _metrics(out) -> list[dict]:
