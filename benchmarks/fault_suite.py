@@ -120,7 +120,7 @@ FAULT_TEXT = {
     "agent_kill": "agent 1 SIGKILL while training, not restarted",
     "agent_kill_restart": "agent 1 SIGKILL while training, restarted at once",
     "coordinator_kill_resume": "coordinator SIGKILL in round 2, then `--resume`",
-    "slow_uplink": "agent 1's uplink 6 kB/s (tc tbf; heartbeat timeout 3 s, deadline 4 s)",
+    "slow_uplink": "agent 1's uplink 6 kB/s (tc tbf; heartbeat timeout 3 s)",
     "link_down": "agent 1's veth down 6 s, then up (heartbeat timeout 3 s)",
     "cluster_node_kill": "RabbitMQ node 1 of 3 (the coordinator's and agent 0's) SIGKILL, stays dead",
 }

@@ -448,7 +448,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("agent_kill_restart", "agent_kill_restart", agent=SLOW, coordinator=("--round-wait", "60"),
              allowed=drops_of(1, {"offline"}, range(1, 2))),
     Scenario("coordinator_kill_resume", "coordinator_kill_resume", at_round=2, rounds=4, agent=SLOW),
-    Scenario("slow_uplink", "slow_uplink", at_round=0, coordinator=HB_TIMEOUT + ("--deadline", "4"),
+    Scenario("slow_uplink", "slow_uplink", at_round=0, coordinator=HB_TIMEOUT,
              expect=slow_uploads(1, 3.0)),
     Scenario("link_down", "link_down", hold_s=6.0, agent=SLOW, coordinator=HB_TIMEOUT + ("--round-wait", "30"),
              allowed=drops_of(1, {"offline"}, range(1, 2))),
