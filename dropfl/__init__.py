@@ -48,7 +48,9 @@ from coordinator.strategies.base import ClientUpdate, State, Strategy
 from dropfl._guard import MainGuardError
 from dropfl.api import RunDirectory, field, load_config, replay, simulate
 from edge_client.datasets import DATASETS
+from edge_client.datasets_files import load_image_folder
 from edge_client.models import MODELS
+from edge_client.objectives import OBJECTIVES, Correction, LocalObjective, Proximal, split_like
 from edge_client.partition import PARTITIONERS
 from edge_client.registry import PluginError, Registry
 from edge_client.report import ClientReport
@@ -74,7 +76,11 @@ __all__ = [
     # availability
     "Availability", "RoundAvailability", "REASONS", "Replay", "LoggedRound",
     # the registries (one per kind: built-ins, then entry points, then module:attr; docs/extending.md)
-    "MODELS", "DATASETS", "PARTITIONERS", "AVAILABILITY", "Registry", "PluginError",
+    "MODELS", "DATASETS", "PARTITIONERS", "AVAILABILITY", "OBJECTIVES", "Registry", "PluginError",
+    # local objectives: what a client adds to its training (docs/objectives.md)
+    "LocalObjective", "Proximal", "Correction", "split_like",
+    # datasets on disk (docs/datasets.md)
+    "load_image_folder",
     # the round loop's interfaces (coordinator/protocols.py)
     "StrategyProtocol", "Absorbing", "RoundLogging", "FromConfig", "LrScheduled", "Transport", "StreamingTransport",
     "StatefulTransport", "RoundStats", "RoundInfo", "Closable", "AvailabilitySource", "RecordedRound",

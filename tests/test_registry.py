@@ -212,8 +212,11 @@ def test_dropfl_plugins_lists_builtins_and_the_plugin_with_its_origin(plugin, ca
     shadowed = [o for n, o in lines if n == "fedavg" and o != "built-in"]
     assert len(shadowed) == 1 and "shadowed by the built-in strategy" in shadowed[0]
     for header in ("strategy (--algo", "model (--model", "dataset (--dataset", "partitioner (--partition",
-                   "availability (--availability"):
+                   "availability (--availability", "local objective (attached to tasks by a strategy"):
         assert header in out
+    assert ("proximal", "built-in") in lines and ("correction", "built-in") in lines
+    assert cli.main(["plugins", "objective", "proximal"]) == 0
+    assert capsys.readouterr().out == "objective proximal: built-in\n"
     assert cli.main(["plugins", "model"]) == 0
     assert "fedavg" not in capsys.readouterr().out
 

@@ -1,8 +1,8 @@
-"""`dropfl plugins`: what each registry holds (strategy, model, dataset, partitioner, availability model), and
-where each name comes from: built-in, an entry point of an installed distribution (`dist==version`), or a name
-registered by another module; under a plugin that declares an Options dataclass, its options with their types and
-defaults. `dropfl plugins KIND NAME` shows one, `module:attr` included. Listing loads the installed entry points,
-so it runs their code (docs/extending.md)."""
+"""`dropfl plugins`: what each registry holds (strategy, model, dataset, partitioner, availability model, local
+objective), and where each name comes from: built-in, an entry point of an installed distribution (`dist==version`),
+or a name registered by another module; under a plugin that declares an Options dataclass, its options with their
+types and defaults. `dropfl plugins KIND NAME` shows one, `module:attr` included. Listing loads the installed entry
+points, so it runs their code (docs/extending.md)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,28 @@ KINDS = {"strategy": "strategy.algo", "model": "model.model", "dataset": "data.d
 OPTION_FLAGS = {"strategy": "--strategy-option", "availability": "--availability-option"}
 
 
+# kinds no flag names: a strategy attaches them to its clients' tasks (docs/objectives.md)
+UNFLAGGED = {"objective": ("edge_client.objectives", "OBJECTIVES")}
+
+
+def registry_of(kind: str):
+    if kind in UNFLAGGED:
+        import importlib
+        module, attr = UNFLAGGED[kind]
+        return getattr(importlib.import_module(module), attr)
+    return Names(config.REGISTRIES[KINDS[kind]]).registry
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("plugins", help="list the strategies, models, datasets, partitioners and availability models "
-                                       "installed, where each comes from, and their options",
+    p = sub.add_parser("plugins", help="list the strategies, models, datasets, partitioners, availability models and "
+                                       "local objectives installed, where each comes from, and their options",
                        description="List what each registry holds and where each name comes from: built-in, an "
                                    "entry point of an installed distribution (dist==version), or registered by a "
                                    "module; under a strategy or availability model that declares an Options "
                                    "dataclass, its options (--strategy-option / --availability-option KEY=VALUE) "
                                    "with their types and defaults. Any flag that takes one of these names also "
                                    "takes module:attr (docs/extending.md). Loading an entry point runs its code.")
-    p.add_argument("kind", nargs="?", choices=list(KINDS), help="list only this kind")
+    p.add_argument("kind", nargs="?", choices=[*KINDS, *UNFLAGGED], help="list only this kind")
     p.add_argument("name", nargs="?", help="show only this one (a name or module:attr) and its options")
     p.set_defaults(func=_cli)
 
@@ -52,12 +64,16 @@ def option_lines(kind: str, obj: object) -> list[str]:
 def _cli(args) -> int:
     if args.name is not None:
         return _one(args.kind, args.name)
-    for kind, key in KINDS.items():
+    for kind in [*KINDS, *UNFLAGGED]:
         if args.kind and args.kind != kind:
             continue
-        registry = Names(config.REGISTRIES[key]).registry
-        section, name = key.split(".")
-        print(f"{kind} ({config.flag(config._field(section, name))}, {key}; entry points: {registry.group})")
+        registry = registry_of(kind)
+        if kind in KINDS:
+            section, name = KINDS[kind].split(".")
+            print(f"{kind} ({config.flag(config._field(section, name))}, {KINDS[kind]}; "
+                  f"entry points: {registry.group})")
+        else:
+            print(f"local {kind} (attached to tasks by a strategy; entry points: {registry.group})")
         rows = registry.listing()
         width = max(len(n) for n, _ in rows)
         for n, origin in rows:
@@ -73,7 +89,7 @@ def _cli(args) -> int:
 def _one(kind: str | None, name: str) -> int:
     if kind is None:
         raise UserError(f"dropfl plugins {name}: give the kind first, e.g. dropfl plugins strategy {name}")
-    registry = Names(config.REGISTRIES[KINDS[kind]]).registry
+    registry = registry_of(kind)
     try:
         entry = registry.entry(name)
     except PluginError as e:
