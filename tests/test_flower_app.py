@@ -269,6 +269,7 @@ def test_a_dropfl_strategy_under_the_wrapper_shares_its_node_map(tmp_path):
     assert inner.nodes is strategy.nodes
     assert grid.trained == [[0, 1, 2, 3], [0, 2], [1, 2, 3]]
     assert [r["participants"] for r in inner.history] == [4, 1, 2]
+    assert [r["dropped"] for r in inner.history] == [{}, {2: "deadline", 3: "charging"}, {3: "rejected"}]
     assert [sorted(r.participated) for r in strategy.history] == [[0, 1, 2, 3], [0], [1, 2]]
 
 
@@ -301,7 +302,8 @@ def test_quickstart_app_beside_dropfl_in_one_report_and_replayed(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     config = APP / "federation.toml"
-    assert main(["flower", "run", str(APP), "--config", str(config), "--rounds", "2", "--out", "flower"]) == 0
+    assert main(["flower", "run", str(APP), "--config", str(config), "--rounds", "2", "--num-cpus", "1",
+                 "--out", "flower"]) == 0
     flower_run = tmp_path / "flower"
     assert {"config.json", "metrics.jsonl", "participation.csv", "reports.jsonl", "model.pt"} <= \
         {p.name for p in flower_run.iterdir()}

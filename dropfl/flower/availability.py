@@ -213,6 +213,8 @@ class WithDropouts(Strategy):
                                    f"replayed log selected {sorted(logged)}; the participation records this run")
         drops = {p: r for p, r in (getattr(avail, "drops", None) or {}).items() if p in sent.values()}
         declined = {p for p, r in drops.items() if r in DECLINED}   # never asked: the device said no before training
+        if drops and callable(getattr(self.strategy, "record_drops", None)):   # DropflStrategy: its history too
+            self.strategy.record_drops(drops)
         self._current = FlowerRound(t, avail, selected, dropped=dict(drops))
         self._sent = {n: p for n, p in sent.items() if p not in declined}
         return [m for m in messages if sent[m.metadata.dst_node_id] not in declined]

@@ -329,6 +329,12 @@ class DropflStrategy(FlowerStrategy):
         return [Message(task_record(arrays, tasks[i], server_round, extra), dst_node_id=self.nodes.node(i),
                         message_type=MessageType.TRAIN) for i in sent]
 
+    def record_drops(self, drops: dict[int, str]) -> None:
+        """Selected clients of this round that a wrapper drops after selection, with their reasons (WithDropouts:
+        a replayed log's drops): not aggregated, and kept in `history` with those reasons, not as lost replies."""
+        if self._round is not None:
+            self._round.drops.update({int(i): str(why) for i, why in drops.items() if int(i) in self._round.selected})
+
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         r = self._round
