@@ -28,8 +28,9 @@ t = r − 1. Each round:
 4. **What Flower itself lost** is recorded as what it was, never as a device's choice: a selected node whose reply
    did not come back within `start(timeout=...)` is `deadline`; an error reply is `offline` where Flower says the
    node is gone (`NODE_UNAVAILABLE`), `deadline` where the message or its reply expired (`MESSAGE_UNAVAILABLE`,
-   `REPLY_MESSAGE_UNAVAILABLE`), and `rejected` for any other error (the ClientApp raised or crashed, a mod
-   refused), with Flower's error code and reason in the log (`dropfl.flower`, warning).
+   `REPLY_MESSAGE_UNAVAILABLE`), `declined` where dropfl's ClientApp could not take the task as sent (a local
+   objective not installed there: `strategy.DECLINED_TASK`), and `rejected` for any other error (the ClientApp
+   raised or crashed, a mod refused), with Flower's error code and reason in the log (`dropfl.flower`, warning).
 
 Every round is kept in `history` (`FlowerRound`: availability, selection, participants, drops with reasons, mean
 training loss), and handed to `recorder` if one is given (dropfl/flower/rundir.py writes a dropfl run directory
