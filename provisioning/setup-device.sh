@@ -268,7 +268,7 @@ else:
             wheels = [n for n in names if n.startswith(f"{top}/plugins/") and is_wheel(n[len(top) + 9:])]
             if sorted(set(names) - set(wheels)) != [f"{top}/agent.json", f"{top}/ca.crt"] \
                     or not all(m.isfile() for m in members):
-                fail(f"expected NAME/agent.json, NAME/ca.crt and plugin wheels NAME/plugins/*.whl, found {names}")
+                fail(f"expected NAME/agent.json and NAME/ca.crt (and plugin wheels NAME/plugins/*.whl), found {names}")
             files = {n.split("/", 1)[1]: tar.extractfile(n).read() for n in names}
     except (tarfile.TarError, OSError) as e:
         fail(f"not a readable .tar.gz ({e})")

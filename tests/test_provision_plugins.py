@@ -103,6 +103,6 @@ def test_setup_device_refuses_other_files_in_the_bundle(tmp_path):
             info = tarfile.TarInfo(name)
             tar.addfile(info, io.BytesIO(b""))
     r = setup("--bundle", str(archive), "--prefix", str(tmp_path / "p"), "--no-systemd")
-    assert r.returncode == 2 and "plugin wheels NAME/plugins/*.whl, found" in r.stderr
+    assert r.returncode == 2 and "(and plugin wheels NAME/plugins/*.whl), found" in r.stderr
     assert not (tmp_path / "p").exists()
 

@@ -48,7 +48,7 @@ class AgentInfo:
 class Registry:
     """FieldHub's agent registry. Uses the hub's `cfg`, `n`, `binding`, `limits`, `cond`, and from
     coordinator/field/collection.py `_reject`, `write_log` and the round hooks `_agent_online`,
-    `_agent_offline`; sets `agents` and `by_client`. Messages arrive on paho's thread under `cond`."""
+    `_agent_offline`, `heard_again`; sets `agents` and `by_client`. Messages arrive on paho's thread under `cond`."""
 
     cfg: FieldConfig
     n: int
@@ -79,6 +79,8 @@ class Registry:
         elif device in self.agents:
             a = self.agents[device]
             a.last_heartbeat, a.heartbeat = now, m.meta
+            if a.online and not a.mismatch:  # dropped `offline` in the open round, yet here: undo (collection.py)
+                self.heard_again(a.client, "a heartbeat")
 
     def _on_status(self, device: str, m: wire.Message, retained: bool) -> None:
         meta, c = m.meta, m.header.client
@@ -134,10 +136,10 @@ class Registry:
     def client_status(self, c: int, now: float) -> str | None:
         """None if client c may take part now, else the reason."""
         a = self.by_client.get(c)
+        if a is not None and a.online and a.mismatch:
+            return "rejected"   # refused at join (its announce): a setup problem, never `offline`, heartbeats or not
         if a is None or not self.is_online(a, now):
             return "offline"
-        if a.mismatch:
-            return "rejected"
         if a.heartbeat and not a.heartbeat.get("available", True):
             reason = a.heartbeat.get("reason")
             return reason if reason in REASONS else "declined"
