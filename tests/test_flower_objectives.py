@@ -243,3 +243,22 @@ def test_the_builtins_travel_as_objectives():
                                                                                  batch_size=4), 1),
                                       dst_node_id=1, message_type=MessageType.TRAIN))
     assert plain.objectives == () and OBJECTIVES not in task_record(model_arrays(model), plain, 1).array_records
+
+
+def test_under_the_availability_wrapper_the_decline_is_recorded_too(plugin):
+    """WithDropouts (which writes a Flower run's participation) records the same reason: `declined`."""
+    from dropfl.flower.availability import WithDropouts
+
+    cfg = config()
+    ds = load_dataset(cfg)
+    model = build_model(cfg.model.model, tuple(ds.train.x.shape[1:]), ds.num_classes, cfg.run.seed)
+    inner = DropflStrategy(cfg.strategy.algo, loop_config(cfg), config=cfg.strategy)
+    outer = WithDropouts(inner, build_availability(cfg), clients=N)
+    threads = torch.get_num_threads()
+    try:
+        outer.start(SerdeGrid(client_app(cfg)), model_arrays(model), num_rounds=1, timeout=10)
+    finally:
+        torch.set_num_threads(threads)
+    (rnd,) = outer.history
+    assert rnd.selected and not rnd.participated and rnd.dropped == {i: "declined" for i in rnd.selected}
+    assert inner.history[0]["dropped"] == rnd.dropped

@@ -19,8 +19,8 @@ t = r − 1. Each round:
    does. A replayed log with its own selection (`--replay-selection log`, `LoggedRound.selected`) shows the
    strategy only the recorded selection as available.
 3. **Every round reaches the wrapped strategy** as Flower's own `Strategy.start` shows it one: `configure_train`
-   with the available nodes (none, where nobody is available), then `aggregate_train` with the replies kept, an
-   empty list included (nobody available, every reply lost or left out). A dropfl strategy (`DropflStrategy`)
+   with the available nodes (none, where nobody is available), then `aggregate_train` with the replies kept and
+   the error replies, an empty list included (nobody available, every reply lost or left out). A dropfl strategy (`DropflStrategy`)
    then aggregates the empty round as dropfl's round loop does (MIFA and FedLaAvg move the model by their stored
    updates); Flower's FedAvg returns no arrays for it and the model stays. Only a strategy that waits for more
    nodes than the round has (`min_available_nodes` / `min_train_nodes` of Flower's strategies, whose sampling
@@ -227,7 +227,7 @@ class WithDropouts(Strategy):
             raise RuntimeError(f"aggregate_train of round {server_round} without its configure_train")
         if not rnd.configured:
             return None, None
-        kept, answered = [], set()
+        kept, failed, answered = [], [], set()
         for m in replies:
             node = m.metadata.src_node_id
             p = self._sent.get(node)
@@ -243,6 +243,7 @@ class WithDropouts(Strategy):
                             "%s", rnd.round, p, node, code, m.error.reason, reason,
                             extra={"fields": {"round": rnd.round, "client": p, "node": node, "flower_error": code,
                                               "reason": reason}})
+                failed.append(m)
                 continue
             kept.append(m)
         for p in set(self._sent.values()) - answered:
@@ -251,10 +252,11 @@ class WithDropouts(Strategy):
         losses = [_metric(m, "train_loss") for m in kept]
         losses = [x for x in losses if x is not None and math.isfinite(x)]
         rnd.train_loss = sum(losses) / len(losses) if losses else None
-        # every reply kept, none included: as Flower's own Strategy.start calls aggregate_train after every
-        # configure_train whatever came back (a dropfl strategy aggregates an empty round: MIFA, FedLaAvg move the
-        # model by their stored updates; Flower's FedAvg returns no arrays and the model stays)
-        return self.strategy.aggregate_train(server_round, kept)
+        # every reply kept, none included, and the error replies (which Flower's strategies, like DropflStrategy,
+        # count as failures): as Flower's own Strategy.start calls aggregate_train after every configure_train
+        # whatever came back (a dropfl strategy aggregates an empty round: MIFA, FedLaAvg move the model by their
+        # stored updates; Flower's FedAvg returns no arrays and the model stays)
+        return self.strategy.aggregate_train(server_round, kept + failed)
 
     # --- evaluation ---------------------------------------------------------------------------------------------
 
