@@ -93,6 +93,10 @@ def test_an_agent_with_another_version_of_the_plugin_is_refused_naming_it(tmp_pa
     refused = [json.loads(line) for line in (tmp_path / "field.jsonl").read_text().splitlines()]
     assert [e["device"] for e in refused if "refused" in e] == ["d1"]   # recorded in the run's field.jsonl
     assert hub.by_client[1].mismatch and not hub.by_client[0].mismatch
+    # refused from its announce on, before any heartbeat: `rejected`, never `offline`
+    meta = json.loads(json.dumps({"state": "online", "device": "d2", "num_samples": 10} | other.to_meta()))
+    hub._dispatch("d2", "status", wire.encode("status", "", -1, 2, meta=meta)[0], False)
+    assert FieldAvailability(hub).round(0).reasons[2] == "rejected"
 
 
 def test_same_version_other_code_and_a_missing_plugin_are_refused(tmp_path, on_path, labels):
