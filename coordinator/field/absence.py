@@ -42,7 +42,8 @@ class EmptyFederation(RunFailure):
 
 class Absence:
     """FieldHub's empty-federation waits. Uses the hub's `cfg`, `cond`, `n`, and from the registry
-    `client_status`, `online_count`, from outage.py `down_since`, `downtime`, `awaited`, `wait_until_settled`."""
+    `client_status`, `online_count`, from outage.py `down_since`, `downtime_between`, `outage_spans`, `awaited`,
+    `wait_until_settled`."""
 
     cfg: FieldConfig
     cond: threading.Condition
@@ -51,13 +52,16 @@ class Absence:
     def _init_absence(self) -> None:
         self.empty_s = 0.0                    # time spent in empty-federation waits that have ended
         self._empty_since: float | None = None
-        self._empty_down0 = 0.0               # downtime() when the wait in progress began
+        self._empty_spans0 = 0                # outages that had ended when the wait in progress began
 
     def empty_time(self, now: float) -> float:
-        """Seconds spent waiting with the federation empty so far (broker outages excluded)."""
+        """Seconds spent waiting with the federation empty so far: the wait's time less its overlap with broker
+        outages (`downtime_between`: an outage dated from a contact before the wait began counts only from the
+        wait's start, so the time is never negative)."""
         if self._empty_since is None:
             return self.empty_s
-        return self.empty_s + (now - self._empty_since) - (self.downtime(now) - self._empty_down0)
+        since = self._empty_since
+        return self.empty_s + (now - since) - self.downtime_between(since, now, self._empty_spans0)
 
     def _absent(self, now: float) -> str:
         """Why nobody is there: the clients' reasons, counted ("3 offline, 2 battery")."""
@@ -86,7 +90,7 @@ class Absence:
         if why is None:
             return 0.0
         limit, next_log = self.cfg.empty_federation_timeout_s, 0.0
-        self._empty_since, self._empty_down0 = now, self.downtime(now)
+        self._empty_since, self._empty_spans0 = now, len(self.outage_spans)
         try:
             while why is not None:
                 if self.down_since is not None:  # an outage: its own wait and timeout; not counted here

@@ -84,6 +84,9 @@ class RoundState:
     stats: dict[int, dict] = field(default_factory=dict)
     dropped: dict[int, str] = field(default_factory=dict)
     rejoined: set[int] = field(default_factory=set)
+    # dropped `offline` in the round, then heard from again within it (a heartbeat or its update of the round's
+    # model): the drop undone (`Collection.heard_again`), logged, and listed in field.jsonl (`offline_undone`)
+    offline_undone: set[int] = field(default_factory=set)
     duplicates: int = 0
     rejected: int = 0
     rejects: dict[str, int] = field(default_factory=dict)  # messages rejected during the round, by code
@@ -185,6 +188,27 @@ class Collection:
                     self._wake()  # the round loop re-sends it the task and the model
             self._changed(r, c)
 
+    def heard_again(self, c: int, what: str) -> bool:
+        """Client c, selected in the open round and dropped `offline` in it (or found gone), was heard from again
+        (`what`: "a heartbeat", "its update"): it was not unreachable after all, so the drop is undone and it is
+        owed its update (or its stats) again; no task is re-sent (its connection held: an agent that reconnects
+        sends a status, `_agent_online`, and gets the task again). True if something was undone."""
+        r = self.round
+        if r is None or r.closed or c not in r.tasks:
+            return False
+        undo = c not in r.updates and r.dropped.get(c) == "offline"
+        if not undo and c not in r.gone:
+            return False
+        if undo:
+            del r.dropped[c]
+            r.offline_undone.add(c)
+            log.info("round %d: client %d, dropped offline in this round, is back (%s): the drop is undone", r.t, c,
+                     what, extra={"fields": {"round": r.t, "client": c, "heard": what}})
+        r.gone.discard(c)  # its stats (after an update) are due again
+        self._changed(r, c)
+        self._wake()
+        return True
+
     def _agent_offline(self, c: int) -> None:
         r = self.round
         if r is not None and not r.closed and c in r.tasks:
@@ -260,7 +284,7 @@ class Collection:
             self._changed(r, c)
         elif c in r.updates:
             r.duplicates += 1
-        elif c in r.dropped:
+        elif c in r.dropped and not (r.dropped[c] == "offline" and self.heard_again(c, "its update")):
             log.info("round %d: discarded the update of %s, already dropped (%s)", r.t, device, r.dropped[c])
         else:
             problem = field_checks.update(m, self.num_params, a.announce.get("num_samples"))

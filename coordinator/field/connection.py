@@ -103,7 +103,7 @@ class Connection(Outage):
         while not self._probing.wait(PROBE_EVERY_S):
             if not self.mqtt.is_connected():
                 continue
-            self.mqtt.publish(self.probe_topic, b"", qos=0)
+            self.mqtt.publish(self.probe_topic, repr(time.monotonic()).encode(), qos=0)  # its time: `_probe_echo`
             with self.cond:
                 self._silence(time.monotonic())
 
@@ -122,8 +122,12 @@ class Connection(Outage):
 
     # --- publishing (any thread; paho queues while disconnected) ---
     def publish_frames(self, topic: str, frames: Iterable[bytes]) -> None:
-        """Publish a message's frames (wire.encode's chunks) on `topic` under TOPIC_ROOT, QoS 1."""
+        """Publish a message's frames (wire.encode's chunks) on `topic` under TOPIC_ROOT, QoS 1. What the broker
+        is given to send is counted (outage.py `_published`): a `model/...` frame once per known agent."""
         for f in frames:
+            with self.cond:
+                self._published(time.monotonic(), len(f) * (max(len(self.agents), 1) if topic.startswith("model/")
+                                                            else 1))
             self.mqtt.publish(f"{TOPIC_ROOT}/{topic}", f, qos=1)
 
     # --- paho callbacks (network thread) ---
@@ -175,7 +179,14 @@ class Connection(Outage):
     def _on_message(self, client, userdata, msg) -> None:
         parts = msg.topic.split("/")
         with self.cond:
-            self._contact(time.monotonic())  # anything from the broker (a probe's echo too): it answers
+            now = time.monotonic()
+            self._contact(now)  # anything from the broker (a probe's echo too): it answers
+            if msg.topic == self.probe_topic:
+                try:
+                    self._probe_echo(now, float(msg.payload))
+                except ValueError:  # not one of ours (an older coordinator's empty probe): no time to go by
+                    pass
+                return
             if len(parts) < 5 or parts[2] != "device":
                 return
             device, sub = parts[3], "/".join(parts[4:])

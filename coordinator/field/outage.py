@@ -15,8 +15,10 @@ never acts on what it cannot see while disconnected:
   waits for them before it looks who is available.
 - A broker that stops answering while its connection stays open (frozen: SIGSTOP, a hung host) is an outage
   too: the coordinator publishes a probe to its own topic every PROBE_EVERY_S, and when nothing at all
-  (an echo, any message) has arrived for BROKER_SILENT_S while connected, the outage begins, dated from the
-  last healthy contact (`_silence`, on the probe thread); the next message ends it (`_contact`).
+  (an echo, any message) has arrived for `silence_bound` while connected (BROKER_SILENT_S, plus the time the
+  broker may take to send what the coordinator published since the last probe it echoed, at BROKER_MIN_BPS: a
+  model sent to 10,000 agents keeps a broker busy, not frozen), the outage begins, dated from the last healthy
+  contact (`_silence`, on the probe thread); the next message ends it (`_contact`).
 - `wait_for_broker` logs that it is waiting, with the time so far, and raises `BrokerOutage` (a RunFailure,
   exit 1) once the outage has lasted `--broker-outage-timeout`; coordinator/field/run.py then saves the
   last finished round's checkpoint and says how to resume.
@@ -24,6 +26,7 @@ never acts on what it cannot see while disconnected:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -40,7 +43,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("dropfl.coordinator")
 
 PROBE_EVERY_S = 0.5      # the coordinator publishes a probe to itself through the broker this often
-BROKER_SILENT_S = 3.0    # nothing at all from the broker for this long, its connection open: an outage
+BROKER_SILENT_S = 3.0    # nothing at all from the broker for this long, its connection open: an outage ...
+# ... plus the time the broker may take to send what the coordinator has just given it to fan out (`silence_bound`),
+# at this rate: a quarter of what one mosquitto sustained sending a 31 KB model to 10,000 subscribers on 2 shared
+# cores (310 MB, its probe echo back after 7.0 s: 44 MB/s; benchmarks/results/field_load_closing.md)
+BROKER_MIN_BPS = 10e6
 AGENT_RECONNECT_S = 3.0  # an agent's reconnect after an outage: its backoff (at most 2 s, reconnect.py), the connect
 LOG_EVERY_S = 10.0       # while waiting for the broker, say so this often
 # an agent's silence counts only up to this long after the broker's last delivery to us (registry.py `is_online`):
@@ -49,6 +56,19 @@ CONTACT_SLACK_S = 1.0
 # a round whose last outstanding clients went offline less than this ago does not close yet: a broker that
 # is going down may send their last wills just before it cuts the coordinator off (`_outage_ended` undoes them)
 LOSS_SETTLE_S = 0.5
+
+
+def overlap_s(a0: float, a1: float, b0: float, b1: float) -> float:
+    """Seconds the intervals [a0, a1] and [b0, b1] have in common (0 if they are disjoint)."""
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def silence_bound(owed_bytes: float) -> float:
+    """How long the broker may deliver nothing to the coordinator, its connection open, before that is an outage:
+    BROKER_SILENT_S, plus the time to send `owed_bytes` (what the coordinator published that the broker has not
+    yet shown to be through: a model to every agent) at BROKER_MIN_BPS. A busy broker is not a frozen one; a frozen
+    one is still noticed, at most that long after its last healthy contact."""
+    return BROKER_SILENT_S + max(owed_bytes, 0.0) / BROKER_MIN_BPS
 
 
 class BrokerOutage(RunFailure):
@@ -67,12 +87,17 @@ class Outage:
     def _init_outage(self) -> None:
         self.down_since: float | None = None  # monotonic time the connection was lost; None: not in an outage
         self.downtime_s = 0.0                 # time spent in outages that have ended
+        self.outage_spans: list[tuple[float, float]] = []  # the outages that have ended: (from, to), in order
         self.outages = 0
         self._alive_at_outage: set[str] = set()
         self.expected_back: set[str] = set()  # devices awaited after the last outage (`awaited`)
         self.reconnected_at = self.back_by = 0.0
         self.last_contact = 0.0               # monotonic time the broker last delivered anything to us
         self.silent = False                   # the outage in progress began by silence, not by a disconnect
+        # bytes the broker was given to send (each publish times its fan-out), not yet shown to be through by the
+        # echo of a probe published after them (`_published`, `_probe_echo`, `owed_bytes`): (time, bytes), in order
+        self._owed: collections.deque[tuple[float, float]] = collections.deque()
+        self._owed_sum = 0.0
 
     # --- paho's network thread, under cond ---
     def _outage_began(self, since: float | None = None) -> None:
@@ -92,6 +117,7 @@ class Outage:
         if self.down_since is None:
             return
         now = time.monotonic()
+        self.outage_spans.append((self.down_since, now))
         lasted, self.down_since, self.silent = now - self.down_since, None, False
         self.downtime_s += lasted
         self.reconnected_at, self.back_by = now, now + AGENT_RECONNECT_S + self.cfg.heartbeat_timeout_s
@@ -113,11 +139,30 @@ class Outage:
         if self.silent:
             self._outage_ended()
 
+    def _published(self, now: float, nbytes: float) -> None:
+        """The coordinator gave the broker `nbytes` to send (a frame times its subscribers), under cond."""
+        self._owed.append((now, nbytes))
+        self._owed_sum += nbytes
+
+    def _probe_echo(self, now: float, sent_at: float) -> None:
+        """Our probe published at `sent_at` came back: the broker has taken in everything published before it
+        (it handles a client's messages in order), so that is no longer owed."""
+        while self._owed and self._owed[0][0] <= sent_at:
+            self._owed_sum -= self._owed.popleft()[1]
+        if not self._owed:
+            self._owed_sum = 0.0
+
+    def owed_bytes(self, now: float) -> float:
+        """Bytes published for the broker to send that no probe echo has shown to be through yet."""
+        return self._owed_sum
+
     def _silence(self, now: float) -> None:
-        """The probe thread, connected: nothing at all from the broker for BROKER_SILENT_S, though it has
-        its own probes to echo every PROBE_EVERY_S (a frozen broker, its socket still open). An outage, measured
-        from the last healthy contact."""
-        if self.down_since is not None or not self.last_contact or now - self.last_contact < BROKER_SILENT_S:
+        """The probe thread, connected: nothing at all from the broker for `silence_bound` (BROKER_SILENT_S, more
+        while it may still be sending what the coordinator just published), though it has its own probes to echo
+        every PROBE_EVERY_S (a frozen broker, its socket still open). An outage, measured from the last healthy
+        contact."""
+        if self.down_since is not None or not self.last_contact or \
+                now - self.last_contact < silence_bound(self.owed_bytes(now)):
             return
         log.warning("the broker %s has not answered for %.1f s (its connection is open): a broker outage",
                     self.cfg.broker, now - self.last_contact)
@@ -128,6 +173,15 @@ class Outage:
     def downtime(self, now: float) -> float:
         """Seconds spent disconnected from the broker so far (outages after the first connect)."""
         return self.downtime_s + (now - self.down_since if self.down_since is not None else 0.0)
+
+    def downtime_between(self, t0: float, now: float, spans_from: int = 0) -> float:
+        """Seconds of [t0, now] spent in an outage: the overlap with each outage that has ended (from index
+        `spans_from` of `outage_spans` on) and with the one in progress. An outage that began by silence is dated
+        from the last healthy contact, which may lie before t0: only its part after t0 counts."""
+        spans = self.outage_spans[spans_from:]
+        if self.down_since is not None:
+            spans = [*spans, (self.down_since, now)]
+        return sum(overlap_s(a, b, t0, now) for a, b in spans)
 
     def awaited(self, now: float) -> set[int]:
         """Clients alive when the broker went away, not heard from since it came back, while they may still

@@ -272,6 +272,8 @@ class MqttTransport:
                # agents per process, or an agent still evaluating): the coordinator's and broker's share
                "overhead_excl_agent_wait_s": wall_s - slowest_busy if updates else None,
                "duplicates": r.duplicates, "rejected": r.rejected, "rejects": dict(r.rejects),
+               # dropped `offline` in the round, then heard from again within it: the drop undone (collection.py)
+               "offline_undone": sorted(r.offline_undone),
                "late_total": self.hub.late, "clients": clients,
                # every upload of the round as far as it got (chunks, tensor bytes, seconds first→latest chunk)
                "uploads": {str(c): p.row() for c, p in sorted(r.progress.items())},
