@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from coordinator import protocols
+from coordinator.buffers import aggregate_buffers
 from coordinator.protocols import AvailabilitySource, StatefulTransport, Transport
 from coordinator.reports import task_row
 from coordinator.rundir import DIVERGED, RunDir
@@ -77,17 +78,23 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
                evaluate: Callable[[torch.Tensor], tuple[float, float]], rundir: RunDir,
                w0: torch.Tensor, resume: bool = False, progress: bool = True,
                checkpoint: dict | None = None,
-               observers: list[Callable[[dict], None]] | None = None) -> torch.Tensor:
+               observers: list[Callable[[dict], None]] | None = None,
+               buffers: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Run rounds [start, cfg.rounds) and return the final global model (flat). On `resume`, continue from
     `checkpoint` (already read, e.g. by runsetup.check_resume), else from the run directory's.
-    `observers`: called with each round's metrics row once it is written (coordinator/tracking.py)."""
+    `observers`: called with each round's metrics row once it is written (coordinator/tracking.py).
+    `buffers`: the global model's buffers (BatchNorm's running statistics; {} or None: a model without), updated in
+    place after each round by coordinator/buffers.py's rule (and from the checkpoint on `resume`), so the caller's
+    evaluation and final model read them."""
     start, w, state = 0, w0.clone(), None
+    buffers = {} if buffers is None else buffers
     counters = {"uploads": 0, "client_uploads": 0}
     rundir.checkpoint_refs = set()  # the state-store snapshots the current checkpoint.pt refers to (none yet)
     if resume:
         ck = checkpoint if checkpoint is not None else rundir.load_checkpoint()
         if ck is not None:  # the tables go into this run's store (a disk snapshot is copied back into RUN/state)
             start, w, counters = ck["round"] + 1, ck["w"], ck["counters"]
+            buffers.update(ck.get("buffers", {}))
             state = strategy.adopt_state(ck["state"])
             rundir.checkpoint_refs = referenced(ck)
             if "transport" in ck and isinstance(transport, StatefulTransport):  # absent in older checkpoints
@@ -108,6 +115,11 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
     t0 = time.perf_counter()
     differs: list[int] = []  # replay: rounds where the strategy would have selected other clients than the log
     told: set[str] = set()   # replay with recorded reports: what was said once already
+    carried = bool(buffers) and protocols.carries_buffers(transport)   # else the global buffers stay as they are
+    if buffers and not carried:
+        log.warning("%s does not carry model buffers: the global model's buffers (BatchNorm statistics) stay as they "
+                    "are (docs/engine.md)", type(transport).__name__)
+    extra = {"buffers": buffers} if carried else {}
     for t in range(start, cfg.rounds):
         tick = time.perf_counter()
         avail = availability.round(t)
@@ -124,9 +136,10 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         drops = protocols.recorded_drops(avail)  # a replayed log: dropped after selection, with the reason
         trained = [task for task in tasks if not drops or drops.get(task.client) not in DECLINED]
         if strategy.absorbs and protocols.streams(transport):  # e.g. MIFA in simulation
-            updates, dropped = transport.run_round(t, w, trained, absorb=_absorber(strategy, state, t, drops))
+            updates, dropped = transport.run_round(t, w, trained, absorb=_absorber(strategy, state, t, drops),
+                                                   **extra)
         else:
-            updates, dropped = transport.run_round(t, w, trained)
+            updates, dropped = transport.run_round(t, w, trained, **extra)
         if drops:
             updates = {i: u for i, u in updates.items() if i not in drops}
             dropped = {**dropped, **drops}  # drops ⊆ the recorded selection = selected
@@ -134,6 +147,8 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         if recorded is not None:
             updates = _recorded_reports(strategy, t, updates, tasks, recorded, avail.tasks or {}, told)
         w, state = strategy.aggregate(state, t, w, updates)
+        if carried:
+            buffers.update(aggregate_buffers(buffers, updates))
         if not torch.isfinite(w).all():   # recorded in the run directory: a diverged run is a result (reproduce)
             message = f"round {t}: the global model is no longer finite (lr too high?)"
             rundir.write_json(DIVERGED, {"round": t, "message": message})
@@ -160,6 +175,8 @@ def run_rounds(cfg: LoopConfig, strategy: Strategy, availability: AvailabilitySo
         for observe in observers or ():
             observe(row)
         ck = {"round": t, "w": w, "state": state, "counters": dict(counters)}
+        if buffers:   # a model with buffers only: other checkpoints keep their keys
+            ck["buffers"] = {n: b.clone() for n, b in buffers.items()}
         if isinstance(transport, StatefulTransport):  # what the clients keep between rounds (sim: FedDD memory)
             ck["transport"] = transport.state_dict()
         if (t + 1) % cfg.checkpoint_every == 0 or t == cfg.rounds - 1:

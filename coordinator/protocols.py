@@ -125,6 +125,15 @@ class StreamingTransport(Protocol):
 
 
 @runtime_checkable
+class BufferTransport(Protocol):
+    """Optional: with `carries_buffers = True`, `run_round(..., buffers=b)` starts every client from the global
+    buffers `b` (BatchNorm's running statistics) and returns each update with its client's buffers after training
+    (`ClientUpdate.buffers`; coordinator/buffers.py). The loop passes `buffers=` only for a model that has buffers."""
+
+    carries_buffers: bool
+
+
+@runtime_checkable
 class StatefulTransport(Protocol):
     """Optional: what the clients keep between rounds (the simulation's FedDD device memory). `state_dict()`
     goes into every checkpoint (key "transport"); `load_state_dict` gets it back on --resume (an older
@@ -194,6 +203,11 @@ def streams(transport: object) -> bool:
     return bool(getattr(transport, "streams_updates", False))
 
 
+def carries_buffers(transport: object) -> bool:
+    """Whether `run_round` takes `buffers=` (BufferTransport)."""
+    return bool(getattr(transport, "carries_buffers", False))
+
+
 def recorded_selection(avail: object) -> list[int] | None:
     """A replayed round's recorded selection, or None (RecordedRound)."""
     return getattr(avail, "selected", None)
@@ -222,7 +236,8 @@ def round_stats(transport: object) -> dict[str, float]:
 # every attribute the loop may probe for, by protocol (tests/test_api.py checks loop.py against it)
 PROBED: dict[str, type] = {
     "round_log_file": RoundLogging, "round_log": RoundLogging, "absorb": Absorbing,
-    "streams_updates": StreamingTransport, "state_dict": StatefulTransport, "load_state_dict": StatefulTransport,
+    "streams_updates": StreamingTransport, "carries_buffers": BufferTransport,
+    "state_dict": StatefulTransport, "load_state_dict": StatefulTransport,
     "round_stats": RoundStats, "round_info": RoundInfo, "close": Closable,
     "selected": RecordedRound, "drops": RecordedRound, "reports": RecordedRound, "tasks": RecordedRound,
     "from_config": FromConfig, "bind_lr_schedule": LrScheduled,

@@ -220,3 +220,19 @@ def set_flat(model: nn.Module, flat: torch.Tensor) -> None:
 
 def dropout_layers(model: nn.Module) -> list[SeededDropout]:
     return [m for m in model.modules() if isinstance(m, SeededDropout)]
+
+
+def get_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's buffers by name (BatchNorm's running_mean, running_var, num_batches_tracked): the part
+    of its state that is not in `get_flat` (parameters only). {} for a model without buffers."""
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+@torch.no_grad()
+def set_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Copy `buffers` (names as `get_buffers` gives them, all of the model's) into the model's buffers."""
+    own = dict(model.named_buffers())
+    if set(own) != set(buffers):
+        raise ValueError(f"buffers {sorted(buffers)} do not match the model's {sorted(own)}")
+    for n, b in own.items():
+        b.copy_(buffers[n])

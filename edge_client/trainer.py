@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edge_client.models import dropout_layers, get_flat, set_flat
+from edge_client.models import dropout_layers, get_buffers, get_flat, set_buffers, set_flat
 from edge_client.objectives import Correction, LocalObjective, Proximal, correction_of, proximal_mu, with_objective
 
 
@@ -78,6 +78,9 @@ class LocalResult:
     # "conv+fc+loss+step"), and why a part it could have used did not run (None: nothing to say)
     path: str | None = None
     fallback: str | None = None
+    # the model's buffers after training (BatchNorm's running statistics, edge_client.models.get_buffers); None for
+    # a model without buffers. Not in `delta`: the coordinator averages them apart (coordinator/buffers.py)
+    buffers: dict[str, torch.Tensor] | None = None
 
 
 def client_generator(seed: int, rnd: int, client: int) -> torch.Generator:
@@ -114,8 +117,9 @@ def batch_plan(n: int, task: TrainTask, gen: torch.Generator) -> list[torch.Tens
 
 
 def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                task: TrainTask) -> LocalResult:
+                task: TrainTask, buffers: dict[str, torch.Tensor] | None = None) -> LocalResult:
     """Plain SGD (no momentum, no weight decay), cross-entropy, from `w_global`. Reference path.
+    `buffers`: the global buffers the client starts from (BatchNorm's running statistics; None: the model's own).
 
     The model and (x, y) may be on a GPU (the agent's `--device cuda`, edge_client/agent/device.py): the
     weights are copied in, batch orders and dropout masks still come from the CPU generator, and the delta
@@ -124,6 +128,8 @@ def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: to
     gen = client_generator(task.seed, task.round, task.client)
     plan = batch_plan(len(y), task, gen)
     set_flat(model, w_global)  # copies: w_global is never written
+    if buffers:
+        set_buffers(model, buffers)
     model.train()
     for layer in dropout_layers(model):
         layer.generator = gen
@@ -151,14 +157,19 @@ def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: to
             for p, g in zip(params, grads):
                 p.add_(g, alpha=-task.lr)
     delta = w_global - get_flat(model).to(w_global.device)  # on w_global's device (the CPU: a no-op there)
-    return LocalResult(delta, len(y), len(plan), loss_sum / max(len(plan), 1), time.perf_counter() - start)
+    after = {n: b.to(w_global.device) for n, b in get_buffers(model).items()} or None
+    return LocalResult(delta, len(y), len(plan), loss_sum / max(len(plan), 1), time.perf_counter() - start,
+                       buffers=after)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-             batch: int = 2000) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of weights `w` on (x, y)."""
+             batch: int = 2000, buffers: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of weights `w` (and `buffers`, where given: the global BatchNorm statistics)
+    on (x, y), in eval mode."""
     set_flat(model, w)
+    if buffers:
+        set_buffers(model, buffers)
     model.eval()
     correct, loss = 0, 0.0
     for i in range(0, len(y), batch):

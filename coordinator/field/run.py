@@ -54,7 +54,7 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
             with trackers(cfg, run.rundir.path, run.checkpoint) as observers:  # --track (coordinator/tracking.py)
                 w = run_rounds(run.loop, run.strategy, FieldAvailability(hub), transport, run.evaluate,
                                run.rundir, run.w0(), resume=resume, progress=progress, checkpoint=run.checkpoint,
-                               observers=observers)
+                               observers=observers, buffers=run.buffers)
         except (BrokerOutage, EmptyFederation) as e:
             run.rundir.save_unsaved_checkpoint()  # the last finished round, if --checkpoint-every had not saved it
             when = "the broker is back" if isinstance(e, BrokerOutage) else "agents are back"

@@ -19,8 +19,10 @@ Exactly `local_train`'s algorithm, client by client:
   term differentiated apart from the cross-entropy and added to the gradient); then w ← w − lr·g with the
   client's own lr;
 - buffers (BatchNorm's running statistics, `num_batches_tracked`): one copy per client, starting from the
-  model's buffers when the engine was built, updated by the client's own steps as its forward updates them;
-  they are not in the delta (`get_flat` is parameters only, as in the loop) and are dropped after the round.
+  round's global buffers (`run(..., buffers=)`; without them, the model's buffers when the engine was built),
+  updated by the client's own steps as its forward updates them; they are not in the delta (`get_flat` is
+  parameters only, as in the loop) and come back in each client's `LocalResult.buffers` (coordinator/buffers.py
+  averages them).
 
 What is not the loop's bits: the batched kernels sum in another order (float32: ~1e-7 relative per step;
 float64: 1e-12), and torch's own `nn.Dropout` draws from the global generator in both paths (under vmap,
@@ -164,15 +166,19 @@ class FunctionalEngine:
         return [torch.stack([c[i] for c in per_client]).to(self.device) for i in range(len(self.drops))]
 
     # -- a round ----------------------------------------------------------------------------------------------
-    def run(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+    def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
+            buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
+        """The tasks' results, in task order. `buffers`: the global buffers every client starts from (None: the
+        model's when the engine was built); each result carries its client's buffers after the round."""
         saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return self._run(w_global, tasks)
+            return self._run(w_global, tasks, buffers)
         finally:
             torch.set_num_threads(saved)
 
-    def _run(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
+    def _run(self, w_global: torch.Tensor, tasks: list[TrainTask],
+             start: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
         t_start = time.perf_counter()
         gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
         plans = [batch_table(self.sizes[t.client], t, g) for t, g in zip(tasks, gens)]   # (rows, sizes) each
@@ -183,7 +189,8 @@ class FunctionalEngine:
         chunks = [c.view(s) for c, s in zip(torch.split(w0, [s.numel() for s in self.shapes]), self.shapes)]
         anchors = dict(zip(self.names, chunks))   # FedProx's w_global, per parameter
         params = {n: a.expand(k_all, *a.shape).clone() for n, a in anchors.items()}
-        buffers = {n: b.expand(k_all, *b.shape).clone() for n, b in self.buffers0.items()}
+        start = self.buffers0 if start is None else {n: start[n].to(dev, b.dtype) for n, b in self.buffers0.items()}
+        buffers = {n: b.expand(k_all, *b.shape).clone() for n, b in start.items()}
         # FedProx's μ and SCAFFOLD's c − c_i stacked; where a task has any other objective (a plugin's, or these in
         # another order), every task's objectives through their hooks instead (`hooked`)
         hooked = None if all(objectives_.builtin_only(t.objectives) for t in tasks) else \
@@ -217,7 +224,8 @@ class FunctionalEngine:
         out: list[LocalResult | None] = [None] * k_all
         for j, i in enumerate(order):
             out[i] = LocalResult(deltas[j].clone(), self.sizes[tasks[j].client], n_steps[j],
-                                 float(loss_sum[j]) / max(n_steps[j], 1), seconds)
+                                 float(loss_sum[j]) / max(n_steps[j], 1), seconds,
+                                 buffers={n: b[j].to(w_global.device, copy=True) for n, b in buffers.items()} or None)
         return out   # type: ignore[return-value]
 
     def _inputs(self, rows: torch.Tensor) -> torch.Tensor:

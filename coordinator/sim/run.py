@@ -52,7 +52,7 @@ def run_sim(cfg: SimConfig, out: str, resume: bool = False, progress: bool = Tru
         with trackers(cfg, run.rundir.path, run.checkpoint) as observers:  # --track (coordinator/tracking.py)
             w = run_rounds(run.loop, run.strategy, run.availability, transport, evaluate, run.rundir,
                            run.w0(), resume=resume, progress=progress, checkpoint=run.checkpoint,
-                           observers=observers)
+                           observers=observers, buffers=run.buffers)
     finally:
         transport.close()
     run.save_final(w)

@@ -10,6 +10,7 @@ import torch
 from coordinator.sim.clock import Profile, SimClients
 from coordinator.statestore import StateStore
 from coordinator.strategies import ClientUpdate
+from edge_client.models import get_buffers, set_buffers
 from edge_client.trainer import TrainTask, local_train
 
 log = logging.getLogger("dropfl.sim")
@@ -63,6 +64,9 @@ class SimTransport:
                     except TypeError as e:  # torch.func cannot run it either: the loop, said once
                         self.loop_reason = f"no batched forward for {type(model).__name__}"
                         log.warning("%s; its clients train on the reference loop", e)
+        if self.batched is not None and get_buffers(model) and not self.batched.details().get("generic"):
+            # the hand-written batched forwards (the built-in models) have no buffers: only torch.func carries them
+            raise AssertionError(f"{type(model).__name__} has buffers, the batched engine does not carry them")
         self.last_engine = self.describe()
 
     def describe(self) -> str:
@@ -97,10 +101,13 @@ class SimTransport:
         return f"engine: {name} — {text}", fields
 
     streams_updates = True  # run_round takes `absorb` (coordinator/loop.py)
+    carries_buffers = True  # run_round takes `buffers` (coordinator/buffers.py)
 
     def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask],
-                  absorb: Callable[[dict[int, ClientUpdate]], None] | None = None):
-        """Train `tasks` from `w`; every update arrives. `absorb` (the loop's, for a strategy that absorbs):
+                  absorb: Callable[[dict[int, ClientUpdate]], None] | None = None,
+                  buffers: dict[str, torch.Tensor] | None = None):
+        """Train `tasks` from `w` (and the global `buffers`, where the model has some: each update then carries its
+        client's buffers after training); every update arrives. `absorb` (the loop's, for a strategy that absorbs):
         called with each slice of the batched engine's updates as the slice arrives, in task order; it takes
         the deltas out (u.delta = None), so the round's deltas are not all held at once. The updates come
         back in task order either way."""
@@ -109,12 +116,15 @@ class SimTransport:
         if self.batched is not None:  # FedDD tasks stay on the loop
             plain = [task for task in tasks if task.dropout_rate is None]
             # slice by slice where the engine can (a lockstep sweep's proxy cannot: one part)
+            kw = {"buffers": buffers} if buffers else {}   # the generic engine only (checked in __init__)
             parts = ([] if not plain else self.batched.run_iter(w, plain)
-                     if absorb is not None and hasattr(self.batched, "run_iter") else [self.batched.run(w, plain)])
+                     if absorb is not None and hasattr(self.batched, "run_iter")
+                     else [self.batched.run(w, plain, **kw)])
             at = 0
             for part in parts:
                 self._note_paths(part)
-                got = {task.client: ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
+                got = {task.client: ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss,
+                                                 buffers=r.buffers)
                        for task, r in zip(plain[at:at + len(part)], part)}
                 at += len(part)
                 del part  # the results' deltas now live in `got` only: absorbing can free them
@@ -125,14 +135,19 @@ class SimTransport:
         for task in tasks:
             x, y = self.client_data[task.client]
             if task.dropout_rate is not None or self.clients.profile is not None:
+                if buffers:
+                    set_buffers(self.model, buffers)   # SimClients trains self.model
                 updates[task.client] = self.clients.run(w, x, y, task)  # coordinator/sim/clock.py
+                if buffers:
+                    updates[task.client].buffers = get_buffers(self.model)
                 looped = True
                 continue
             if task.client in done:
                 updates[task.client] = done[task.client]
             else:
-                r, looped = local_train(self.model, w, x, y, task), True
-                updates[task.client] = ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss)
+                r, looped = local_train(self.model, w, x, y, task, buffers=buffers), True
+                updates[task.client] = ClientUpdate(task.client, r.delta, r.num_samples, r.steps, task.lr, r.loss,
+                                                    buffers=r.buffers)
         self.stats = self.clients.round_stats(updates)
         self.last_engine = self._round_engine(bool(done), looped)
         return updates, {}

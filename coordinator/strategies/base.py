@@ -32,6 +32,7 @@ class ClientUpdate:
     loss: float = float("nan")     # mean local training loss
     mask: torch.Tensor | None = None  # FedDD: bool mask of uploaded coordinates (None = all)
     report: ClientReport | None = None  # measured compute time, link rates, bytes (FedDD, FedCS)
+    buffers: dict[str, torch.Tensor] | None = None  # the model's buffers after training (coordinator/buffers.py)
 
 
 class Strategy:
