@@ -213,7 +213,7 @@ DATASETS_KEPT = 2
 _DATASETS_LOCK = threading.Lock()   # a sweep's runs set up in threads (coordinator/sim/lockstep.py)
 
 
-def load_dataset(cfg: SimConfig) -> datasets.Dataset:
+def load_dataset(cfg: SimConfig, keep: bool = True) -> datasets.Dataset:
     """`cfg`'s dataset, decoded once per process: the runs of a sweep and the sims of a test session share one
     copy. Decoding FMNIST or MNIST (gunzip, uint8 to float) took 1.3-3 s and 220 MB a run (measured on this
     machine), in every run of a sweep. Keyed by the dataset, its directory and its files' paths, sizes and
@@ -234,7 +234,7 @@ def load_dataset(cfg: SimConfig) -> datasets.Dataset:
             ds = datasets.load(name, data_dir)
         except datasets.DatasetError as e:
             raise UserError(str(e)) from None
-        if files:
+        if files and keep:
             _DATASETS[key] = ds
             while len(_DATASETS) > DATASETS_KEPT:
                 _DATASETS.popitem(last=False)
@@ -323,9 +323,26 @@ def check_model_fits(name: str, model: torch.nn.Module, ds: datasets.Dataset) ->
                         f"{ds.name}, which has {ds.num_classes} classes; it must give one logit per class")
 
 
-def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False, overwrite: bool = False) -> Run:
-    """Everything a run needs, built and checked before the run directory is written: nothing in `out`
-    changes if any input (flags, files, traces, dataset, checkpoint) is wrong."""
+@dataclass
+class Checked:
+    """What `check_run` built from a run's input, nothing written yet."""
+    path: Path
+    availability: object | None
+    strategy: Strategy
+    ds: datasets.Dataset
+    binding: DataBinding
+    shards: list | None
+    model: torch.nn.Module
+    eval_model: torch.nn.Module
+    checkpoint: dict | None
+    store: str
+
+
+def check_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False, overwrite: bool = False,
+              keep_dataset: bool = True) -> Checked:
+    """Every check of a run's input (flags, files, traces, dataset, model, checkpoint, tracking), writing nothing:
+    `setup_run` and `dropfl trial` (before its broker and agents start) both call it. keep_dataset=False: the
+    decoded dataset is not kept in this process's cache (a trial's own process has no use for it)."""
     if mode not in ("sim", "field"):
         raise ValueError(f"mode {mode!r}")
     path = check_out(out, resume, overwrite)
@@ -333,7 +350,7 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
         torch.set_num_threads(cfg.run.threads)
     availability = build_availability(cfg) if mode == "sim" else None
     strategy = build_strategy(cfg)
-    ds = load_dataset(cfg)
+    ds = load_dataset(cfg, keep=keep_dataset)
     binding = binding_of(cfg, ds)
     shards = client_data(ds, binding) if mode == "sim" else None
     shape = tuple(ds.train.x.shape[1:])
@@ -350,6 +367,15 @@ def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
     if mode == "sim" and cfg.train.engine != "loop":
         from coordinator.sim import kernels
         kernels.requested()   # $DROPFL_KERNEL: an unknown variant, or one this CPU cannot run, is a UserError
+    return Checked(path, availability, strategy, ds, binding, shards, model, eval_model, checkpoint, store)
+
+
+def setup_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False, overwrite: bool = False) -> Run:
+    """Everything a run needs, built and checked before the run directory is written: nothing in `out`
+    changes if any input (flags, files, traces, dataset, checkpoint) is wrong."""
+    c = check_run(cfg, out, mode, resume, overwrite)
+    availability, strategy, ds, binding, shards = c.availability, c.strategy, c.ds, c.binding, c.shards
+    model, eval_model, checkpoint, store = c.model, c.eval_model, c.checkpoint, c.store
     # --- everything checked: from here on the run directory is written ---
     rundir = RunDir(out, overwrite=overwrite)
     rundir.participation_format = participation_format(cfg)

@@ -191,11 +191,7 @@ def check_trial(cfg: config.SimConfig, out: Path, links: str | Path | None = Non
     the run directory (a run there only with --overwrite or --resume), what the coordinator checks when it
     sets up the run (runsetup.setup_run in field mode: strategy, dataset, binding, model, the checkpoint to
     resume, --track), that mosquitto is installed, the --broker-dir and the --links file."""
-    import torch
-
-    from coordinator import runsetup, tracking
-    from edge_client import datasets
-    from edge_client.models import build_model
+    from coordinator import runsetup
 
     n = cfg.data.clients
     if cfg.availability.kind != "always":
@@ -203,7 +199,7 @@ def check_trial(cfg: config.SimConfig, out: Path, links: str | Path | None = Non
                         f"agents (their batteries, --profiles), not from a model; leave it out")
     if broker_dir and links:
         raise UserError("--broker-dir cannot be combined with --links (the provisioned broker's listener is its own)")
-    path = check_out(out, resume=resume, overwrite=overwrite)
+    check_out(out, resume=resume, overwrite=overwrite)
     if mosquitto_exe() is None:
         raise UserError("mosquitto not found: install the Debian package (apt-get install mosquitto)")
     if broker_dir:
@@ -214,31 +210,8 @@ def check_trial(cfg: config.SimConfig, out: Path, links: str | Path | None = Non
         check_support()  # root, ip, tc
         if resume:
             _links_record(out)
-    # the coordinator's own setup checks (runsetup.setup_run, mode "field"), here before the broker starts
-    runsetup.build_strategy(cfg)
-    try:  # not runsetup.load_dataset, which keeps it: this process has no use for it while the trial runs
-        ds = datasets.load(cfg.data.dataset, cfg.data.data_dir)
-    except datasets.DatasetError as e:
-        raise UserError(str(e)) from None
-    runsetup.binding_of(cfg, ds)
-    try:
-        model = build_model(cfg.model.model, tuple(ds.train.x.shape[1:]), ds.num_classes, cfg.run.seed,
-                            cfg.model.dropout)
-    except ValueError as e:
-        raise UserError(f"--model {cfg.model.model}: {e}") from None
-    try:  # one test sample through it: a model too deep for the dataset's images fails here, not in round 0
-        with torch.no_grad():
-            model.eval()(ds.test.x[:1])
-    except RuntimeError as e:
-        raise UserError(f"--model {cfg.model.model} does not fit --dataset {cfg.data.dataset}'s "
-                        f"{tuple(ds.test.x.shape[1:])} inputs ({_one_line(e)[:120]}); choose a model for it") from None
-    if resume:
-        runsetup.check_resume(cfg, path, model)
-    tracking.check(tracking.parse(cfg.run.track), path, cfg.run.track_dir, resume, overwrite)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
+    # the coordinator's own setup checks (runsetup.check_run, mode "field"), here before the broker starts
+    runsetup.check_run(cfg, str(out), mode="field", resume=resume, overwrite=overwrite, keep_dataset=False)
 
 
 def mosquitto_exe() -> str | None:
