@@ -3,6 +3,7 @@ states and times, no broker, no clock. Then the per-client bookkeeping the round
 (collection.py `RoundState.note`, O(1) a message) and when it wakes the loop."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -83,6 +84,30 @@ def test_a_single_chunk_extends_within_the_timeout_and_the_slack_follows_a_slow_
     assert slow.stalled_after(T) == pytest.approx(30.0)
     d = close(view(uploads=(slow,)), D + 5)
     assert d.extended_for == (0,) and d.wake_at == pytest.approx(D + 10)  # (last + 30 s)
+
+
+def test_an_upload_whose_first_chunks_came_in_a_burst_is_not_taken_for_stalled():
+    """Seen with --deadline 4, --heartbeat-timeout 3 and a 6 kB/s uplink: the task out at 0, chunks 1 and 2 of 4
+    in at 3.0 and 3.5 (from the device's buffers), then one every 5 s across the link. Their rate (2 chunks/s)
+    made the upload stalled after max(T, 1.5 s) = 3 s of silence, so the round closed at 6.5 with 2 of 4 chunks
+    in. Counted since the task went out (3 × 3.5 s / 2 chunks), the upload keeps the round open to its end."""
+    d, e, t = 4.0, 60.0, 3.0
+    v = view(open=1, deadline=d, hard_end=d + e, timeout_s=t)
+    burst = dict(c=0, chunks=4, first_at=3.0)
+    old = up(got=2, last_at=3.5, **burst)                                  # no task time: the rate alone
+    assert old.stalled_after(t) == t and close(replace(v, uploads=(old,)), 6.6).closed   # the bug
+    arrivals = [3.0, 3.5, 8.5, 13.5]
+    for got in (2, 3):
+        p = up(got=got, last_at=arrivals[got - 1], sent_at=0.0, **burst)
+        assert p.mean_interval() == pytest.approx(arrivals[got - 1] / got)
+        assert p.stalled_after(t) >= arrivals[got] - arrivals[got - 1]        # the next chunk is not late
+        just_before = arrivals[got] - 0.01
+        dec = close(replace(v, uploads=(p,)), just_before)
+        assert not dec.closed and dec.extended_for == (0,) and dec.wake_at > just_before
+    dead = up(got=2, last_at=3.5, sent_at=0.0, **burst)                    # nothing after chunk 2
+    assert close(replace(v, uploads=(dead,)), 3.5 + 5.25 + 0.01).why == "deadline"
+    assert up(got=1, first_at=90.0, last_at=90.0, sent_at=80.0).stalled_after(T) == pytest.approx(30.0)
+    assert up(sent_at=None).mean_interval() is None
 
 
 def test_a_complete_update_waits_for_its_stats_within_the_timeout_of_its_last_chunk():

@@ -42,6 +42,15 @@ class Upload:
     last_at: float        # arrival of its latest chunk
     done: bool = False    # every chunk in (the message reassembled)
     updated: bool = False  # its update was accepted (stats still due)
+    sent_at: float | None = None  # when the round's task went out (the round's start); None: unknown
+
+    def mean_interval(self) -> float | None:
+        """Seconds per chunk since the task went out: (latest arrival − `sent_at`) / chunks in. Slower than the
+        upload's own rate (it counts the training too), never fooled by chunks that left the device's buffers in
+        a burst; None without `sent_at`."""
+        if self.sent_at is None or self.got < 1:
+            return None
+        return max(self.last_at - self.sent_at, 0.0) / self.got
 
     def chunk_rate(self) -> float | None:
         """Chunks per second after the first (None until two chunks arrived apart)."""
@@ -49,18 +58,22 @@ class Upload:
         return (self.got - 1) / span if self.got >= 2 and span > 0 else None
 
     def stalled_after(self, timeout_s: float) -> float:
-        """Silence after which the upload counts as stalled: max(timeout, 3 chunk intervals at its rate)."""
-        rate = self.chunk_rate()
-        return timeout_s if rate is None else max(timeout_s, 3.0 / rate)
+        """Silence after which the upload counts as stalled: max(timeout, 3 chunk intervals at its rate, 3 mean
+        intervals since the task went out). The last term keeps an upload whose first chunks arrived close together
+        (sent from the device's buffers, ahead of a slow link) from being taken for stalled while its next chunk
+        crosses the link: on a link that sends a chunk every I seconds after a training of L, the k-th chunk
+        arrives at about L + k·I, so 3 (L + k·I) / k ≥ 3 I."""
+        rate, mean = self.chunk_rate(), self.mean_interval()
+        return max(timeout_s, 0.0 if rate is None else 3.0 / rate, 0.0 if mean is None else 3.0 * mean)
 
 
 def keeps_open(p: Upload, now: float, timeout_s: float, hard_end: float) -> bool:
     """The deadline's extension rule: an upload in progress keeps its round open past the deadline while
-    (1) its chunks keep arriving: the latest within max(`timeout_s` (the heartbeat timeout), 3 chunk
-    intervals at the measured rate), and (2) at the rate they arrive, the rest arrives by `hard_end`
-    (deadline + upload_extension_s): latest arrival + missing chunks / chunk rate ≤ hard_end (with a single
-    chunk so far, the rate is unknown and (1) with `timeout_s` and `hard_end` bound it alone). Never past
-    `hard_end`."""
+    (1) its chunks keep arriving: the latest within `Upload.stalled_after` (max(`timeout_s` (the heartbeat
+    timeout), 3 chunk intervals at the measured rate, 3 mean intervals since the task went out)), and (2) at the
+    rate they arrive, the rest arrives by `hard_end` (deadline + upload_extension_s): latest arrival + missing
+    chunks / chunk rate ≤ hard_end (with a single chunk so far, the rate is unknown and (1) with `hard_end` bounds
+    it alone). Never past `hard_end`."""
     if p.done or now >= hard_end or now - p.last_at > p.stalled_after(timeout_s):
         return False
     rate = p.chunk_rate()

@@ -59,9 +59,10 @@ class UploadProgress:
         return {"chunks": len(self.got), "of": self.chunks, "bytes": self.body_bytes,
                 "seconds": self.last_at - self.first_at, "done": self.done}
 
-    def view(self, client: int, updated: bool = False) -> closing.Upload:
-        """What the closing rule reads of it (coordinator/field/closing.py)."""
-        return closing.Upload(client, self.chunks, len(self.got), self.first_at, self.last_at, self.done, updated)
+    def view(self, client: int, updated: bool = False, sent_at: float | None = None) -> closing.Upload:
+        """What the closing rule reads of it (coordinator/field/closing.py); `sent_at`: when its task went out."""
+        return closing.Upload(client, self.chunks, len(self.got), self.first_at, self.last_at, self.done, updated,
+                              sent_at)
 
 
 def keeps_open(p: UploadProgress, now: float, timeout_s: float, hard_end: float) -> bool:

@@ -137,7 +137,7 @@ class MqttTransport:
                     settle_until=r.lost_at + LOSS_SETTLE_S, outage=hub.down_since is not None,
                     empty=not r.updates and bool(r.offline) and hub.nobody_online(now) is not None,
                     check_at=check_at,
-                    uploads=tuple(p.view(c, c in r.updates) for c, p in r.progress.items() if c in r.open)
+                    uploads=tuple(p.view(c, c in r.updates, r.started) for c, p in r.progress.items() if c in r.open)
                     if now >= deadline else ())
                 d = closing.close(v, now)
                 self.scans += 1
