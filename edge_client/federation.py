@@ -23,6 +23,7 @@ agents both call it. Lives on the device side because the agent may not import `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -103,7 +104,9 @@ def _registries() -> dict[str, Registry]:
     return {"model": MODELS, "dataset": datasets.DATASETS, "partitioner": partition.PARTITIONERS}
 
 
+@functools.lru_cache(maxsize=1)
 def dropfl_version() -> str:
+    """dropfl's installed version (read once: a binding is made for every run of a sweep)."""
     try:
         return metadata.version(BUILT_IN)
     except metadata.PackageNotFoundError:
@@ -178,7 +181,7 @@ def _module_of_name(registry: Registry, name: str) -> tuple[str, tuple[str, str]
 
 def plugin_id(kind: str, name: str, registry: Registry | None = None) -> PluginId:
     """The identity of the code this process would run for the `kind` named `name` (see `PluginId`)."""
-    registry = registry or _registries()[kind]
+    registry = _registries()[kind] if registry is None else registry   # (a Mapping: `or` would list it)
     found = _module_of_name(registry, name)
     if found is None:
         return PluginId(kind, name, "", "", "")
