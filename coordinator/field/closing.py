@@ -21,6 +21,15 @@ tries every branch with hand-made views. The rule, in order (docs/field-mode.md 
 5. Otherwise the round stays open until the earliest of: the deadline, the end of settling, the next time an
    open client's heartbeat timeout may lapse (`check_at`: the caller looks at their liveness then), or, past
    the deadline, the time an extending upload would stall or D + E.
+
+An `offline` drop stands only while the client stays unheard: a client dropped `offline` in the round (silent for
+the heartbeat timeout, or its last will) that is heard from again before the round closes, by a heartbeat while
+its registration is online or by its update of the round's model (which passed every check), was reachable after
+all: the drop is undone, the client is open again (owed its update, or its stats), its update if that is what came
+is accepted, and the round lists it in field.jsonl `offline_undone` (collection.py `Collection.heard_again`). Any
+other drop (declined, rejected, ...) still discards a later update. An upload counts as stalled after
+`Upload.stalled_after`: the heartbeat timeout, 3 chunk intervals at its rate, or 3 mean chunk intervals since the
+task went out, whichever is longest.
 """
 
 from __future__ import annotations
