@@ -15,7 +15,8 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 # `make test-fast` runs unit and engine tests not marked slow; `make test` runs every tier (what CI runs).
 TIERS = {
     "unit": ("test_field_closing",),   # the field's round-closing rule, a pure function: no broker
-    "device": ("test_emulated_pi", "test_device_pythons", "test_setup_device", "test_agent_device", "test_cuda"),
+    "device": ("test_emulated_pi", "test_device_pythons", "test_setup_device", "test_agent_device", "test_cuda",
+               "test_provision_plugins"),
     "field": ("test_field_", "test_trial_", "test_broker_security", "test_netem", "test_agent_lean", "test_provision",
               "test_telemetry", "test_dashboard", "test_alloc", "test_replay_field_engine", "test_tracking"),
     "engine": ("test_kernels", "test_batched_fastpath", "test_engine_", "test_evaluator", "test_absorb_exact",

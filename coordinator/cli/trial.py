@@ -34,7 +34,8 @@ from edge_client.configfile import check_value
 # the trial's own flags: (dest, default); their defaults are None on the parser, to tell "given" from "not"
 TRIAL_FLAGS = {"--agents": ("agents", None), "--profiles": ("profiles", ",".join(DEFAULT_PROFILES)),
                "--heartbeat": ("heartbeat", 0.5), "--max-slowdown": ("max_slowdown", 0.0),
-               "--links": ("links", None), "--broker-dir": ("broker_dir", None)}
+               "--links": ("links", None), "--broker-dir": ("broker_dir", None),
+               "--restart-agents": ("restart_agents", "on-failure"), "--restart-delay": ("restart_delay", 1.0)}
 
 # `dropfl coordinator` field options that a trial sets itself, and why: hidden, refused when given. Every other
 # option in FIELD_OPTIONS is a `dropfl trial` option too and reaches the trial's coordinator as given.
@@ -96,6 +97,13 @@ def add_parser(sub) -> None:
     g.add_argument("--max-slowdown", type=float, default=None, metavar="SECONDS",
                    help="emulated slow devices: agent i spends i/(N-1) times this many extra seconds per SGD step "
                         "(default: 0)")
+    g.add_argument("--restart-agents", choices=["on-failure", "no"], default=None,
+                   help="restart an agent that crashes or is killed, as a device's systemd unit does (Restart="
+                        "on-failure; not after a clean exit, or exit 2, a config it refuses); no: a killed agent "
+                        "stays down (default: on-failure)")
+    g.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
+                   help="first restart delay, doubling after each restart up to 15 s (the unit's RestartSec), back "
+                        "to this after 60 s without a failure (default: 1)")
     g.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue the trial in RUN_DIR from its last checkpoint: a new private broker, the same "
                         "agents and the coordinator with --resume (the trial's options and config come from "
@@ -206,6 +214,8 @@ def run(args) -> int:
     if args.agents < 1:
         raise UserError(f"--agents must be >= 1 (got {args.agents}); give the number of edge agents")
     _check_trial_values(args.heartbeat, args.max_slowdown, "")
+    check_value("trial.restart_delay", args.restart_delay, float, {"gt": 0, "maximum": 15}, "from --restart-delay",
+                UserError)
     coord = check_coordinator_options(coordinator_options(args), args.agents, args.heartbeat)
     deadline = coord.pop("deadline_s", TRIAL_DEFAULTS["--deadline"][0])
     outage = coord.pop("broker_outage_timeout_s", None)
@@ -233,7 +243,8 @@ def run(args) -> int:
         extra["broker_outage_timeout_s"] = outage
     with dashboard.serving(args, out):
         summary = run_trial(cfg, out, profiles, deadline, args.heartbeat, args.max_slowdown, not args.no_progress,
-                            links=args.links, broker_dir=args.broker_dir, coordinator=coord, checked=True, **extra)
+                            links=args.links, broker_dir=args.broker_dir, coordinator=coord, checked=True,
+                            restart_agents=args.restart_agents, restart_delay_s=args.restart_delay, **extra)
     print(summary)
     return 0
 
@@ -284,7 +295,8 @@ def resume(args) -> int:
         summary = run_trial(cfg, out, opts.profiles, opts.deadline_s, opts.heartbeat_s, opts.max_slowdown,
                             not args.no_progress, links=opts.links, broker_dir=opts.broker_dir,
                             broker_outage_timeout_s=opts.broker_outage_timeout_s, resume=True,
-                            coordinator=opts.coordinator, checked=True)
+                            coordinator=opts.coordinator, checked=True, restart_agents=opts.restart_agents,
+                            restart_delay_s=opts.restart_delay_s)
     print(summary)
     return 0
 

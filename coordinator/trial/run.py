@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import numpy as np
 from coordinator import config
 from coordinator.errors import RunFailure, UserError
 from coordinator.rundir import CHECKPOINT, check_out, load_checkpoint_file
+from coordinator.trial.supervise import POLICIES, Supervisor
 
 log = logging.getLogger("dropfl.trial")
 
@@ -60,6 +62,9 @@ class TrialOptions:
     broker_outage_timeout_s: float = 300.0
     # the other `dropfl coordinator` field options given (FieldConfig names: heartbeat_timeout_s, run_id, ...)
     coordinator: dict = field(default_factory=dict)
+    # the agents' supervision (coordinator/trial/supervise.py); a trial.json written before them: the defaults
+    restart_agents: str = "on-failure"
+    restart_delay_s: float = 1.0
 
     def save(self, out: Path) -> None:
         tmp = out / (TRIAL_JSON + ".tmp")
@@ -77,6 +82,9 @@ class TrialOptions:
                 raise ValueError(f"agents {opts.agents!r}, profiles {opts.profiles!r}")
             if not isinstance(opts.coordinator, dict) or set(opts.coordinator) - set(coordinator_flags()):
                 raise ValueError(f"coordinator {opts.coordinator!r}")
+            if opts.restart_agents not in POLICIES or not isinstance(opts.restart_delay_s, (int, float)) or \
+                    not 0 < opts.restart_delay_s <= 15:
+                raise ValueError(f"restart_agents {opts.restart_agents!r}, restart_delay_s {opts.restart_delay_s!r}")
         except (OSError, ValueError, TypeError) as e:  # TypeError: not an object, or keys TrialOptions lacks
             raise UserError(f"--resume: {path} is damaged ({type(e).__name__}: {str(e)[:80]}); restore it "
                             f"(it holds the trial's options: --agents, --profiles, --deadline, ...)") from None
@@ -242,13 +250,14 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
               max_slowdown: float, progress: bool, links: str | Path | None = None,
               broker_dir: str | Path | None = None, broker_outage_timeout_s: float = 300.0,
               resume: bool = False, overwrite: bool = False, coordinator: dict | None = None,
-              checked: bool = False) -> str:
+              checked: bool = False, restart_agents: str = "on-failure", restart_delay_s: float = 1.0) -> str:
     """Run a trial in `out`. `resume`: the trial in `out` again from its last checkpoint (a new private
     broker, the same agent configs but for the broker's address, the coordinator with --resume); else a new
     trial, whose config is saved in `out`/trial-config.json first. Its options go to `out`/trial.json either way.
     `overwrite`: replace the run in `out` (the coordinator's --overwrite). `coordinator`: the coordinator's other
     field options ({FieldConfig name: value}, e.g. {"upload_extension_s": 2.0}). `checked`: `check_trial` ran
-    already (the CLI's), else it runs first: nothing is written or started before it passes."""
+    already (the CLI's), else it runs first: nothing is written or started before it passes. `restart_agents`,
+    `restart_delay_s`: how the agents are supervised while the coordinator runs (coordinator/trial/supervise.py)."""
     from coordinator.field.netem import Links, load_links
     from coordinator.trial.broker import Mosquitto
     from coordinator.trial.tls import ProvisionedBroker, device_agent_keys, write_private
@@ -271,10 +280,11 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
     TrialOptions(n, list(profiles), deadline_s, heartbeat_s, max_slowdown,
                  str(Path(links).resolve()) if links else None,
                  str(Path(broker_dir).resolve()) if broker_dir else None, broker_outage_timeout_s,
-                 coordinator).save(out)
+                 coordinator, restart_agents, restart_delay_s).save(out)
     if not resume:
         (out / TRIAL_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen] = []   # the agents' current processes, then the coordinator's
+    supervisor = Supervisor(restart_agents, restart_delay_s)
     logs = []
     old = signal.signal(signal.SIGTERM, _interrupt)
     py = [sys.executable, "-m", "coordinator.cli"]
@@ -300,8 +310,8 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                         _keep_trace(adir)
                     logs.append(open(adir / "agent.log", "a" if resume else "w"))
                     prefix = net.exec_prefix(i) if net else []  # inside agent i's network namespace
-                    procs.append(subprocess.Popen(prefix + py + ["client", "--config", str(adir / "agent.json")],
-                                                  stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+                    procs.append(supervisor.add(f"client-{i}", _agent_starter(
+                        prefix + py + ["client", "--config", str(adir / "agent.json")], logs[-1], adir)))
                 logs.append(open(out / "coordinator.log", "a" if resume else "w"))
                 cmd = coordinator_command(out, broker.url, deadline_s, heartbeat_s, broker_outage_timeout_s,
                                           coordinator, resume, overwrite,
@@ -312,7 +322,13 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
                 if net:  # trace time 0 = the first session's coordinator start; a resumed trial goes on from
                     net.start_clock(links_before.get("clock_s", 0.0))  # the trace time the last one reached
                 log.info("started %d agents and the coordinator; logs in %s", n, out)
-                rc = coord.wait()
+                while (rc := coord.poll()) is None:   # the agents supervised while the coordinator runs
+                    supervisor.poll()
+                    procs[:n] = supervisor.procs
+                    time.sleep(0.2)
+                if supervisor.restarts:
+                    log.info("agents restarted: %s", ", ".join(f"{k} {v}x" for k, v in supervisor.restarts.items()),
+                             extra={"fields": {"restarts": supervisor.restarts}})
                 if rc != 0:
                     raise RunFailure(f"the coordinator failed (exit {rc}); see {out / 'coordinator.log'}"
                                      + (_resume_hint(out) if rc == 1 else ""))
@@ -332,6 +348,21 @@ def run_trial(cfg: config.SimConfig, out: Path, profiles: list[str], deadline_s:
         signal.signal(signal.SIGTERM, old)
     merge_traces(out)
     return summarize(out)
+
+
+def _agent_starter(cmd: list[str], logfile, adir: Path):
+    """Start agent `cmd` with its output in `logfile` (open, appended to). A restart says so in the log first and
+    keeps the earlier session's own trace as trace.<k>.csv (the agent starts a new trace.csv)."""
+    starts = [0]
+
+    def start() -> subprocess.Popen:
+        if starts[0]:
+            logfile.write(f"--- restarted by dropfl trial's supervisor ({time.strftime('%H:%M:%S')}) ---\n")
+            logfile.flush()
+            _keep_trace(adir)
+        starts[0] += 1
+        return subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+    return start
 
 
 def _links_record(out: Path) -> dict:
