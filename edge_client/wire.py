@@ -120,6 +120,37 @@ def tensor_bytes(t: torch.Tensor) -> tuple[str, list[int], bytes]:
     return names[t.dtype], list(t.shape), arr.tobytes()
 
 
+def buffers_meta(buffers: dict[str, torch.Tensor]) -> dict[str, list]:
+    """A model's buffers (BatchNorm's running statistics) as a message's meta field `buffers`: name → [dtype, shape,
+    values] (JSON numbers: float32 and int64 values come back exactly). The model message carries the global
+    buffers, an update its client's after training (docs/protocol.md)."""
+    names = {v: k for k, v in DTYPES.items()}
+    out = {}
+    for n, b in buffers.items():
+        if b.dtype not in names:
+            raise WireError(f"buffer {n}: dtype {b.dtype} cannot be sent (allowed: {', '.join(DTYPES)})")
+        out[n] = [names[b.dtype], list(b.shape), b.detach().cpu().reshape(-1).tolist()]
+    return out
+
+
+def meta_buffers(value: Any, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`buffers_meta`'s field back as tensors; WireError unless it holds exactly `like`'s names, dtypes and shapes."""
+    names = {v: k for k, v in DTYPES.items()}
+    if not isinstance(value, dict) or set(value) != set(like):
+        raise WireError(f"buffers: expected {sorted(like)}")
+    out = {}
+    for n, ref in like.items():
+        item = value[n]
+        if not (isinstance(item, list) and len(item) == 3 and item[0] == names.get(ref.dtype)
+                and item[1] == list(ref.shape) and isinstance(item[2], list) and len(item[2]) == ref.numel()):
+            raise WireError(f"buffer {n}: expected {names.get(ref.dtype)} {list(ref.shape)}")
+        try:
+            out[n] = torch.tensor(item[2], dtype=ref.dtype).reshape(ref.shape)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise WireError(f"buffer {n}: {e}") from None
+    return out
+
+
 def encode(kind: str, run: str, round: int, client: int, tensor: torch.Tensor | None = None,
            meta: dict[str, Any] | None = None, limits: Limits = Limits()) -> list[bytes]:
     """Frames (MQTT payloads) of one message; more than one only when the tensor exceeds chunk_bytes."""

@@ -246,3 +246,46 @@ def test_the_hand_written_batched_engine_never_gets_a_model_with_buffers(plugin)
     model = importlib.import_module(MOD).BNNet((1, 6, 6), 10)
     with pytest.raises(AssertionError, match="buffers"):
         SimTransport(model, [(torch.zeros(2, 1, 6, 6), torch.zeros(2, dtype=torch.long))], make_engine=NotGeneric)
+
+
+def test_onnx_export_carries_the_global_buffers_in_eval_mode(plugin) -> None:
+    """The field's ONNX model (export_onnx, after MqttTransport sets the global buffers): the same logits as the model
+    in eval mode with those buffers, not with the initial ones."""
+    ort = pytest.importorskip("onnxruntime")
+    from coordinator.field.transport import export_onnx
+    mod = importlib.import_module(MOD)
+    ds, _ = _data(mod)
+    model = mod.BNNet((1, 6, 6), 10)
+    w = get_flat(model)
+    glob = {n: (b * 0 - 38.0 if n.endswith("running_mean") else b * 4 if b.is_floating_point() else b + 9)
+            for n, b in get_buffers(model).items()}
+    set_buffers(model, glob)
+    sess = ort.InferenceSession(export_onnx(model, w, (1, 6, 6)), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(sess.run(None, {"x": ds.test.x.numpy()})[0])
+    with torch.no_grad():
+        want = model.eval()(ds.test.x)
+        set_buffers(model, get_buffers(mod.BNNet((1, 6, 6), 10)))
+        initial = model(ds.test.x)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(got, initial, atol=1e-2)
+
+
+def test_a_model_onnx_cannot_export_is_one_notice_not_a_crash(caplog) -> None:
+    """An operator ONNX has no form for (torch.special.zeta): None and one warning line; the run goes on without
+    on-device evaluation (MqttTransport stops trying and sends no ONNX model)."""
+    from coordinator.field.transport import export_onnx_or_none
+
+    class Zeta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(torch.special.zeta(x.flatten(1).abs() + 2, torch.tensor(2.0)))
+
+    model = Zeta()
+    with caplog.at_level("WARNING", logger="dropfl.coordinator"):
+        assert export_onnx_or_none(model, get_flat(model), (1, 2, 2)) is None
+    said = [r.getMessage() for r in caplog.records if r.name == "dropfl.coordinator"]
+    assert len(said) == 1 and "cannot be exported to ONNX (UnsupportedOperatorError" in said[0], said
+    assert "\n" not in said[0]

@@ -60,7 +60,8 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
             when = "the broker is back" if isinstance(e, BrokerOutage) else "agents are back"
             raise RunFailure(f"{e}; {how_to_resume(run.rundir.path, when)}") from None
         run.save_final(w)
-        run.rundir.file("model.onnx").write_bytes(export_onnx(run.eval_model, w, run.input_shape))  # final model
+        if transport.onnx_ok:   # the final model (a model that cannot be exported was said so once)
+            run.rundir.file("model.onnx").write_bytes(export_onnx(run.eval_model, w, run.input_shape))
         finished = True
         return w
     finally:

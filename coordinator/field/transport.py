@@ -30,7 +30,7 @@ from coordinator.field.outage import LOSS_SETTLE_S
 from coordinator.field.sparse import update_tensors
 from coordinator.strategies.base import ClientUpdate
 from edge_client import feddd, objectives, wire
-from edge_client.models import set_flat
+from edge_client.models import set_buffers, set_flat
 from edge_client.report import ClientReport
 from edge_client.trainer import TrainTask
 
@@ -52,6 +52,17 @@ def export_onnx(model: torch.nn.Module, w: torch.Tensor, input_shape: tuple[int,
     return buf.getvalue()
 
 
+def export_onnx_or_none(model: torch.nn.Module, w: torch.Tensor, input_shape: tuple[int, ...]) -> bytes | None:
+    """`export_onnx`, or None where the model cannot be exported (an operator ONNX has no form for, in a user's
+    model), said in one warning line: the agents then do not evaluate it on the device; training is unaffected."""
+    try:
+        return export_onnx(model, w, input_shape)
+    except Exception as e:  # noqa: BLE001 (whatever the exporter raises: no on-device evaluation, never a crash)
+        log.warning("the model cannot be exported to ONNX (%s: %s): the agents do not evaluate it on the device",
+                    type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+        return None
+
+
 def client_report(meta: dict, stats: dict, upload_bytes: int, model_bytes: int) -> ClientReport:
     """FedDD's and FedCS's inputs from an update's meta and its stats: durations the agent measured on its
     own monotonic clock (train_s, upload_s, download_s; docs/protocol.md "Measured rates"). The coordinator
@@ -71,8 +82,12 @@ class MqttTransport:
         hub.layout = feddd.unit_layout(model)
         self.stats: dict[str, float] = {}
         self._empty_mark = hub.empty_time(time.monotonic())  # empty-federation time counted in earlier rounds
+        self.buffers: dict[str, torch.Tensor] = {}  # the round's global buffers (a model with BatchNorm), sent with it
+        self.onnx_ok = True  # False once the model could not be exported (said once; no ONNX model is sent after)
 
-    def _publish_model(self, t: int, w: torch.Tensor, onnx_bytes: bytes, digest: str | None = None,
+    carries_buffers = True  # run_round takes `buffers` (coordinator/buffers.py)
+
+    def _publish_model(self, t: int, w: torch.Tensor, onnx_bytes: bytes | None, digest: str | None = None,
                        device: str | None = None) -> None:
         """The round's global weights and ONNX model: broadcast on model/..., or to one `device` only on its
         own control topic (an agent that rejoins; docs/protocol.md)."""
@@ -80,9 +95,24 @@ class MqttTransport:
         weights_topic, onnx_topic = ("model/weights", "model/onnx") if device is None else \
             (f"device/{device}/control",) * 2
         meta = {"model": hub.binding.model} | ({} if digest is None else {"model_digest": digest})
+        if self.buffers:   # the global buffers the agents start from (docs/protocol.md)
+            meta["buffers"] = wire.buffers_meta(self.buffers)
         hub.publish_frames(weights_topic, wire.encode("model", run, t, -1, w, meta, lim))
-        onnx_t = torch.frombuffer(bytearray(onnx_bytes), dtype=torch.uint8)
-        hub.publish_frames(onnx_topic, wire.encode("onnx", run, t, -1, onnx_t, {}, lim))
+        if onnx_bytes is not None:
+            onnx_t = torch.frombuffer(bytearray(onnx_bytes), dtype=torch.uint8)
+            hub.publish_frames(onnx_topic, wire.encode("onnx", run, t, -1, onnx_t, {}, lim))
+
+    def _buffers_of(self, client: int, meta: dict) -> dict[str, torch.Tensor] | None:
+        """An update's buffers after training, where the round sent global buffers; an update without them, or with
+        others than the model's, leaves them out of the buffer average (logged; its delta is aggregated)."""
+        if not self.buffers:
+            return None
+        try:
+            return wire.meta_buffers(meta.get("buffers"), self.buffers)
+        except wire.WireError as e:
+            log.warning("client %d's update carries no usable buffers (%s): left out of the buffer average",
+                        client, e.reason)
+            return None
 
     def _publish_task(self, task: TrainTask, digest: str | None = None) -> None:
         device = self.hub.device_of(task.client)
@@ -100,15 +130,20 @@ class MqttTransport:
         self.hub.publish_frames(f"device/{device}/control", wire.encode(
             "task", self.hub.cfg.run_id, task.round, task.client, tensor, meta, self.hub.limits))
 
-    def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask]
-                  ) -> tuple[dict[int, ClientUpdate], dict[int, str]]:
+    def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask],
+                  buffers: dict[str, torch.Tensor] | None = None) -> tuple[dict[int, ClientUpdate], dict[int, str]]:
         hub, start = self.hub, time.monotonic()
+        self.buffers = dict(buffers or {})
+        if self.buffers:   # the ONNX model evaluates with the global statistics too
+            set_buffers(self.model, self.buffers)
         x0 = time.perf_counter()
-        onnx_bytes = export_onnx(self.model, w, self.input_shape)
+        onnx_bytes = export_onnx_or_none(self.model, w, self.input_shape) if self.onnx_ok else None
+        self.onnx_ok = onnx_bytes is not None
         export_s = time.perf_counter() - x0
-        tmp = self.onnx_path.with_suffix(".onnx.tmp")
-        tmp.write_bytes(onnx_bytes)
-        tmp.replace(self.onnx_path)
+        if onnx_bytes is not None:
+            tmp = self.onnx_path.with_suffix(".onnx.tmp")
+            tmp.write_bytes(onnx_bytes)
+            tmp.replace(self.onnx_path)
         with hub.cond:
             hub.reasm.drop(before_round=t)
             r = hub.round = RoundState(t, {task.client: task for task in tasks}, start, digest=wire.model_digest(w))
@@ -202,7 +237,7 @@ class MqttTransport:
             delta, mask = update_tensors(hub.layout, m, w)
             updates[task.client] = ClientUpdate(task.client, delta, int(meta["num_samples"]), int(meta["steps"]),
                                                 task.lr, float("nan") if meta.get("loss") is None else meta["loss"],
-                                                mask=mask, report=report)
+                                                mask=mask, report=report, buffers=self._buffers_of(task.client, meta))
         self.stats = {"upload_bytes": float(sum(u.report.upload_bytes for u in updates.values())),
                       "download_bytes": float(sum(u.report.download_bytes for u in updates.values())),
                       "rejected_messages": float(sum(r.rejects.values())),  # all codes; by code in field.jsonl

@@ -101,6 +101,7 @@ class Agent(Link, Heartbeat, Work):
         self.t0 = time.monotonic()
         # run, round, w, download_s, arrival, model digest, first-to-last chunk seconds (work.py)
         self.weights: tuple[str, int, torch.Tensor, float | None, float, str, float] | None = None
+        self.global_buffers: tuple[str, int, dict] | None = None   # run, round, the model message's buffers (work.py)
         self.onnx: tuple[str, int, bytes] | None = None
         self.evaluated: tuple[str, int] | None = None                     # the last ONNX model started (work.py)
         self._eval: tuple[tuple[str, int], object] | None = None          # (run, round), its evaluation in progress

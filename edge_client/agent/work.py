@@ -36,6 +36,7 @@ import torch
 
 from edge_client import feddd, objectives, wire
 from edge_client.agent.config import log, who
+from edge_client.models import get_buffers, set_buffers
 from edge_client.telemetry import EvalMeter, RoundRecord
 from edge_client.trainer import TrainTask, local_train
 
@@ -101,6 +102,14 @@ class Work:
                 start = min(start, self._task_arrival[2])
             download_s = received - start if received > start else None
             self.weights = (h.run, h.round, msg.tensor, download_s, received, digest, received - first_at)
+            self.global_buffers = None
+            if "buffers" in msg.meta:   # the global BatchNorm statistics this round's training starts from
+                try:
+                    self.global_buffers = (h.run, h.round, wire.meta_buffers(msg.meta["buffers"],
+                                                                             get_buffers(self.model)))
+                except wire.WireError as e:
+                    log.warning(f"round {h.round}: the model's buffers are not this model's ({e.reason}); training "
+                                f"from its own", extra=who(self.id))
             if download_s is not None:
                 self.rates["downlink_Bps"] = h.nbytes / download_s
         elif h.kind == "onnx" and msg.tensor is not None and msg.tensor.dtype == torch.uint8:
@@ -197,10 +206,14 @@ class Work:
         record.begin("train", busy=True)
         start = time.perf_counter()
         sparse_payload = None
+        gb = self.global_buffers
+        buffers = gb[2] if gb is not None and gb[:2] == (run, task.round) else None
         if task.dropout_rate is None:
-            r = local_train(self.model, w, self.x, self.y, task)
+            r = local_train(self.model, w, self.x, self.y, task, buffers=buffers)
         else:  # FedDD: Algorithm 2's mask, the kept values as a sparse payload (edge_client/feddd.py)
             memory = self.feddd_memory[1] if self.feddd_memory and self.feddd_memory[0] == run else None
+            if buffers:
+                set_buffers(self.model, buffers)
             out, memory = feddd.client_round(self.model, self.layout, w, self.x, self.y, task, memory)
             self.feddd_memory, r = (run, memory), out.result
             sparse_payload = feddd.encode_sparse(self.layout, memory.masks, memory.w_local)
@@ -217,6 +230,8 @@ class Work:
                 "model_digest": digest, "train_device": self.device.type}  # cpu or cuda (device.py)
         if self.weights is not None and self.weights[2] is w:
             meta["download_span_s"] = self.weights[6]  # the model's first chunk to its last, this host's clock
+        if buffers and r.buffers:   # the buffers after training, for the coordinator's average (docs/protocol.md)
+            meta["buffers"] = wire.buffers_meta(r.buffers)
         body = r.delta
         if sparse_payload is not None:
             body = torch.frombuffer(bytearray(sparse_payload), dtype=torch.uint8)
