@@ -289,3 +289,22 @@ def test_a_model_onnx_cannot_export_is_one_notice_not_a_crash(caplog) -> None:
     said = [r.getMessage() for r in caplog.records if r.name == "dropfl.coordinator"]
     assert len(said) == 1 and "cannot be exported to ONNX (UnsupportedOperatorError" in said[0], said
     assert "\n" not in said[0]
+
+
+def test_resume_refuses_a_batchnorm_checkpoint_without_buffers(plugin, tmp_path, capsys) -> None:
+    """A checkpoint of a BatchNorm model that holds no buffers cannot continue them: one line, nothing written."""
+    part = tmp_path / "part"
+    _sim(part, *STATIC, rounds=2)
+    ck = _ck(part)
+    del ck["buffers"]
+    torch.save(ck, part / "checkpoint.pt")
+    before = (part / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    args = ["sim", "--out", str(part), "--clients", "4", "--rounds", "3", "--steps", "3", "--batch-size", "8",
+            "--lr", "0.05", "--engine", "loop", "--threads", "1", "--no-progress", "--algo", "fedavg",
+            "--model", f"{MOD}:BNNet", "--dataset", f"{MOD}:shifted_images", "--partition", f"{MOD}:uneven",
+            *STATIC, "--resume"]
+    assert cli.main(args) != 0
+    err = capsys.readouterr().err
+    assert "holds no buffers of --model" in err and "Traceback" not in err, err
+    assert (part / "metrics.jsonl").read_text() == before
