@@ -20,11 +20,12 @@ t = r − 1. Each round:
    strategy only the recorded selection as available.
 3. **Every round reaches the wrapped strategy** as Flower's own `Strategy.start` shows it one: `configure_train`
    with the available nodes (none, where nobody is available), then `aggregate_train` with the replies kept and
-   the error replies, an empty list included (nobody available, every reply lost or left out). A dropfl strategy (`DropflStrategy`)
-   then aggregates the empty round as dropfl's round loop does (MIFA and FedLaAvg move the model by their stored
-   updates); Flower's FedAvg returns no arrays for it and the model stays. Only a strategy that waits for more
-   nodes than the round has (`min_available_nodes` / `min_train_nodes` of Flower's strategies, whose sampling
-   would sleep until they connect) is not asked that round: it trains nobody, said once in the log.
+   the error replies, an empty list included (nobody available, every reply lost or left out). A dropfl strategy
+   (`DropflStrategy`) then aggregates the empty round as dropfl's round loop does (MIFA and FedLaAvg move the
+   model by their stored updates); Flower's FedAvg returns no arrays for it and the model stays. Only a strategy
+   that waits for more nodes than the round has (`min_available_nodes` / `min_train_nodes` of Flower's
+   strategies, whose sampling would sleep until they connect) is not asked that round: it trains nobody, said
+   once in the log.
 4. **What Flower itself lost** is recorded as what it was, never as a device's choice: a selected node whose reply
    did not come back within `start(timeout=...)` is `deadline`; an error reply is `offline` where Flower says the
    node is gone (`NODE_UNAVAILABLE`), `deadline` where the message or its reply expired (`MESSAGE_UNAVAILABLE`,
