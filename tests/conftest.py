@@ -18,10 +18,12 @@ TIERS = {
     "device": ("test_emulated_pi", "test_device_pythons", "test_setup_device", "test_agent_device", "test_cuda",
                "test_provision_plugins"),
     "field": ("test_field_", "test_trial_", "test_broker_security", "test_netem", "test_agent_lean", "test_provision",
-              "test_telemetry", "test_dashboard", "test_alloc", "test_replay_field_engine", "test_tracking"),
+              "test_telemetry", "test_dashboard", "test_alloc", "test_replay_field_engine", "test_tracking",
+              "test_batchnorm_field"),
     "engine": ("test_kernels", "test_batched_fastpath", "test_engine_", "test_evaluator", "test_absorb_exact",
                "test_replay_exact", "test_sweep", "test_ray", "test_functional_engine", "test_objectives",
-               "test_flower_equivalence", "test_flower_app", "test_flower_docs", "test_examples", "test_tutorial"),
+               "test_flower_equivalence", "test_flower_app", "test_flower_docs", "test_examples", "test_tutorial",
+               "test_batchnorm"),
 }
 # a test that needs a broker, root or a cluster is a field test wherever it lives
 FIELD_MARKS = ("mosquitto", "root", "cluster")

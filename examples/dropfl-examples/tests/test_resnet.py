@@ -28,9 +28,9 @@ def test_registry_and_refusals():
 
 def test_trains_on_the_default_engine(tmp_path):
     # 4 clients on IID FMNIST, 3 rounds of 6 SGD steps: the mean training loss falls from round 0 to round 2.
-    # (Accuracy is not asserted: dropfl evaluates a BatchNorm model with its initial running statistics,
-    # docs/engine.md "Buffers", so its test accuracy says little about training; evaluated in the last round
-    # only, as it is most of the run's time.)
+    # (Accuracy is not asserted: three short rounds say little about it, and dropfl's buffer rule, the
+    # participants' running statistics averaged, is tested in dropfl's own tests/test_batchnorm.py; evaluated in
+    # the last round only, as it is most of the run's time.)
     cfg = dropfl.SimConfig()
     cfg.data.clients, cfg.data.partition = 4, "iid"
     cfg.model.model = "resnet8"
