@@ -306,6 +306,29 @@ def check_resume(cfg: SimConfig, path: Path, model: torch.nn.Module) -> dict:
     return ck
 
 
+HEADER_SPARE = 8 * 1024   # what a model or update message's header holds besides the buffers (measured: < 2 KiB)
+
+
+def check_buffers_fit_the_wire(name: str, model: torch.nn.Module) -> None:
+    """Field mode carries a model's buffers (BatchNorm's running statistics) as JSON in the message header
+    (docs/protocol.md, "Model buffers"), bounded by the wire's header limit: a model whose buffers do not fit is a
+    UserError before anything starts, not a WireError in round 0."""
+    buffers = get_buffers(model)
+    if not buffers:
+        return
+    from edge_client import wire
+    # the longest JSON a value can take (a float32's shortest repr that round-trips can need 17 digits, a sign and
+    # an exponent): trained statistics are as long as that, the initial zeros and ones far shorter
+    worst = {n: torch.full_like(b, -1.2345678e-05 if b.is_floating_point() else -(2 ** 62)) for n, b in buffers.items()}
+    size = len(json.dumps(wire.buffers_meta(worst)).encode())
+    limit = wire.Limits().max_header_bytes
+    if size + HEADER_SPARE > limit:
+        values = sum(b.numel() for b in buffers.values())
+        raise UserError(f"--model {name}: its {values} buffer values (BatchNorm's running statistics, {size} bytes "
+                        f"as JSON) do not fit field mode's message header ({limit} bytes, {HEADER_SPARE} of them "
+                        f"for the rest); use a model with fewer normalised channels in the field, or simulate it")
+
+
 def check_model_fits(name: str, model: torch.nn.Module, ds: datasets.Dataset) -> None:
     """One training row through a copy of the model (eval mode, no grad: no state changes): a model that does not
     take the dataset's inputs, or does not give one logit per class, is a UserError before anything is written."""
@@ -360,6 +383,8 @@ def check_run(cfg: SimConfig, out: str, mode: str = "sim", resume: bool = False,
     except ValueError as e:   # build_model's messages start with --model
         raise UserError(str(e) if str(e).startswith("--model") else f"--model {cfg.model.model}: {e}") from e
     check_model_fits(cfg.model.model, eval_model, ds)
+    if mode == "field":
+        check_buffers_fit_the_wire(cfg.model.model, model)
     checkpoint = check_resume(cfg, path, model) if resume else None
     store = auto_kind(cfg.run.state_store, cfg.data.clients, sum(p.numel() for p in model.parameters()))
     strategy.store = StateStore(store, path)  # nothing is written before the round loop creates the tables

@@ -44,6 +44,18 @@ class BNNet(nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
+class WideBN(nn.Module):
+    """3,000 normalised features: 6,001 buffer values, more than field mode's message header holds."""
+    def __init__(self, input_shape, num_classes, dropout=None):
+        super().__init__()
+        self.lin = nn.Linear(int(np.prod(input_shape)), 3000)
+        self.bn = nn.BatchNorm1d(3000)
+        self.fc = nn.Linear(3000, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.lin(x.flatten(1)))))
+
+
 def shifted_images(data_dir):
     g = torch.Generator().manual_seed(0)
     def split(n):
@@ -308,3 +320,21 @@ def test_resume_refuses_a_batchnorm_checkpoint_without_buffers(plugin, tmp_path,
     err = capsys.readouterr().err
     assert "holds no buffers of --model" in err and "Traceback" not in err, err
     assert (part / "metrics.jsonl").read_text() == before
+
+
+def test_buffers_that_do_not_fit_the_field_header_are_refused_before_anything_starts(plugin, tmp_path):
+    """Field mode carries buffers as JSON in the message header (64 KiB): a model with 6,001 buffer values is one
+    line at setup, naming the model and the sizes; the same model simulates, and BNNet's 9 values fit."""
+    import dropfl
+    from coordinator import runsetup
+
+    def cfg(model):
+        return dropfl.load_config({"data": {"dataset": f"{MOD}:shifted_images", "partition": "iid", "clients": 3},
+                                   "model": {"model": f"{MOD}:{model}"}})
+    with pytest.raises(dropfl.UserError) as e:
+        runsetup.check_run(cfg("WideBN"), str(tmp_path / "wide"), mode="field")
+    assert str(e.value).startswith(f"--model {MOD}:WideBN: its 6001 buffer values (BatchNorm's running statistics, ")
+    assert "do not fit field mode's message header (65536 bytes" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "wide").exists()
+    runsetup.check_run(cfg("WideBN"), str(tmp_path / "wide"), mode="sim")
+    runsetup.check_run(cfg("BNNet"), str(tmp_path / "small"), mode="field")
