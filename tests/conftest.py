@@ -14,7 +14,7 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 #   device  the device side as installed on a board: other Pythons, the emulated Raspberry Pi, setup-device.sh, CUDA
 # `make test-fast` runs unit and engine tests not marked slow; `make test` runs every tier (what CI runs).
 TIERS = {
-    "unit": ("test_field_closing",),   # the field's round-closing rule, a pure function: no broker
+    "unit": ("test_field_closing", "test_field_round_faults"),   # the field's round-closing rule: no broker
     "device": ("test_emulated_pi", "test_device_pythons", "test_setup_device", "test_agent_device", "test_cuda",
                "test_provision_plugins"),
     "field": ("test_field_", "test_trial_", "test_broker_security", "test_netem", "test_agent_lean", "test_provision",
