@@ -473,8 +473,9 @@ def no_network(monkeypatch):
 
     def trial_stub(cfg, out, profiles, deadline_s, heartbeat_s, max_slowdown, progress, links=None,
                    broker_dir=None, broker_outage_timeout_s=300.0, resume=False, overwrite=False, coordinator=None,
-                   checked=False):
+                   checked=False, restart_agents="on-failure", restart_delay_s=1.0):
         assert checked  # the CLI ran check_trial: everything a trial is given, before the run starts or writes
+        assert restart_agents in ("on-failure", "no") and 0 < restart_delay_s <= 15, (restart_agents, restart_delay_s)
         assert math.isfinite(broker_outage_timeout_s) and broker_outage_timeout_s > 0, broker_outage_timeout_s
         assert all(math.isfinite(v) for v in (deadline_s, heartbeat_s, max_slowdown)), (deadline_s, heartbeat_s)
         assert deadline_s > 0 and heartbeat_s > 0 and max_slowdown >= 0, (deadline_s, heartbeat_s, max_slowdown)

@@ -78,7 +78,7 @@ def flower_runs():
         try:
             run_simulation(server, client_app(config("fedavg")), num_supernodes=6, backend_config={
                 "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
+                "init_args": {"address": "local", "num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
                               "_node_ip_address": "127.0.0.1", "object_store_memory": 100 * 2 ** 20}})
         finally:
             ray.shutdown()

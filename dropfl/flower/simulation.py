@@ -109,7 +109,8 @@ def _simulate(app_dir: Path, server_attr: str, client_attr: str, override: dict,
     context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(),
                       run_config=get_fused_config_from_dir(app_dir, override))
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-               "init_args": {"num_cpus": num_cpus, "num_gpus": 0, "include_dashboard": False,
+               # address "local": a Ray of its own, never a cluster another process of this machine started
+               "init_args": {"address": "local", "num_cpus": num_cpus, "num_gpus": 0, "include_dashboard": False,
                              "_node_ip_address": "127.0.0.1"}}
     import ray
 
