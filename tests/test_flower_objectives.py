@@ -16,6 +16,7 @@ import pytest
 flwr = pytest.importorskip("flwr", reason="Flower is the optional extra dropfl[flower]")
 
 import torch  # noqa: E402
+from feddyn_source import PLUGIN  # noqa: E402
 from flwr.app import Context, Error, Message, MessageType, RecordDict  # noqa: E402
 from flwr.common.constant import ErrorCode  # noqa: E402
 from flwr.common.serde import message_from_proto, message_to_proto  # noqa: E402
@@ -34,53 +35,6 @@ MOD = "dropfl_flower_feddyn"          # the user's module
 TRAP = "dropfl_flower_objective_trap"  # a module a task message names as module:attr: must never be imported
 N = 4
 
-PLUGIN = '''
-"""FedDyn (Acar et al., ICLR 2021, Algorithm 1) as one module: the client's term and the server's rule."""
-import dataclasses
-
-import torch
-
-from coordinator.strategies.base import Strategy
-from edge_client.objectives import LocalObjective, split_like
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FedDynTerm(LocalObjective):
-    """Client k's term: L_k(θ) − ⟨g_k, θ⟩ + (α/2)‖θ − θ^{t−1}‖², g_k = ∇L_k(θ_k^{t−1}) (Alg. 1, line 6)."""
-    alpha: float
-    g: torch.Tensor
-    name = "feddyn-term"
-
-    def loss(self, params, anchor):
-        g = split_like(self.g.to(params[0].dtype), params)
-        linear = sum((gj * p).sum() for gj, p in zip(g, params))
-        prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-        return self.alpha / 2 * prox - linear
-
-
-class FedDyn(Strategy):
-    name = "feddyn"
-
-    def __init__(self, *, weighting="uniform", alpha=0.1):
-        self.alpha = alpha
-
-    def init_state(self, n_clients, w0):
-        return {"h": torch.zeros_like(w0), "g": torch.zeros(n_clients, w0.numel(), dtype=w0.dtype)}
-
-    def configure(self, state, t, task):
-        term = FedDynTerm(self.alpha, state["g"][task.client].clone())
-        return dataclasses.replace(task, objectives=task.objectives + (term,))
-
-    def aggregate(self, state, t, w, updates):
-        if not updates:
-            return w, state
-        g = state["g"]
-        for i in sorted(updates):
-            g[i] += self.alpha * updates[i].delta   # line 7
-        deltas = torch.stack([updates[i].delta for i in sorted(updates)])
-        h = state["h"] + self.alpha / g.shape[0] * deltas.sum(0)   # line 9
-        return w - deltas.mean(0) - h / self.alpha, {"h": h, "g": g}   # line 10
-'''
 
 
 @pytest.fixture(autouse=True)
