@@ -26,18 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import faultkit  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 INVARIANTS = ("participants_real", "reasons_true", "nothing_lost_or_doubled", "replay_exact")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_cluster(d: Path) -> faultkit.Outcome:

@@ -46,6 +46,8 @@ import threading
 import time
 from pathlib import Path
 
+from machine import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -715,11 +717,6 @@ def profile_markdown(res: dict) -> str:
     L += ["", "| function (self) | share |", "|---|---|"]
     L += [f"| `{k}` | {100 * v:.1f} % |" for k, v in P["self"][:20]]
     return "\n".join(L) + "\n"
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
 
 
 def compare(args, res: dict, sizes: list[int], base: Path) -> int:

@@ -33,6 +33,8 @@ from torch.func import grad_and_value, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import cpu_model  # noqa: E402
+
 from coordinator.sim.functional import FunctionalEngine  # noqa: E402
 from edge_client.models import get_flat  # noqa: E402
 from edge_client.trainer import TrainTask, local_train  # noqa: E402
@@ -90,16 +92,6 @@ class NchwEngine(FunctionalEngine):
 
     def _inputs(self, rows):
         return self.x_all[rows]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def measure(name: str, clients: int, steps: int, repeats: int, variants: list[str]) -> dict:
@@ -171,7 +163,7 @@ def main() -> None:
                       f"x{row['ratio_wall']:.2f} wall, x{row['ratio_cpu']:.2f} cpu vs loop"
                       + (f"  |Δ|≤{row['max_abs_delta_diff']:.1e}" if "max_abs_delta_diff" in row else ""),
                       flush=True)
-    meta = {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+    meta = {"cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "command": " ".join(sys.argv)}
     out = Path(a.out)
