@@ -1,6 +1,8 @@
 """FedDyn (Acar et al., ICLR 2021) as a user's module, written into a temporary directory by the tests of local
 objectives (tests/test_objectives.py) and of objectives through Flower (tests/test_flower_objectives.py)."""
 
+import sys
+
 PLUGIN = '''
 """FedDyn, Acar, Zhao, Matas, Mattina, Whatmough, Saligrama, "Federated Learning Based on Dynamic
 Regularization", ICLR 2021 (Algorithm 1), as one module: the client's term, the server's rule, and a small model
@@ -67,3 +69,28 @@ def tiny_net(input_shape, num_classes=10, dropout=None):
     c, h, w = input_shape
     return TinyNet(c, h, w, num_classes)
 '''
+
+
+def user_module(tmp_path, monkeypatch, mod: str, trap: str):
+    """The user's module `mod` (PLUGIN) and a module `trap` that must never be imported (a task message names it as
+    module:attr), in a directory put on sys.path as PYTHONPATH would; nothing registered or installed. A generator
+    for a pytest fixture: yields the directory, then forgets both modules."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / f"{mod}.py").write_text(PLUGIN)
+    (src / f"{trap}.py").write_text('raise RuntimeError("a task message made this process import this module")\n')
+    monkeypatch.syspath_prepend(str(src))
+    for m in (mod, trap):
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    yield src
+    for m in (mod, trap):
+        sys.modules.pop(m, None)
+
+
+def install_entry_point(src, mod: str, dist: str) -> None:
+    """Install the objective as a distribution `dist` 1.0 would: its dist-info with a dropfl.objectives entry
+    point `feddyn-term`."""
+    info = src / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[dropfl.objectives]\nfeddyn-term = {mod}:FedDynTerm\n")

@@ -15,8 +15,8 @@ import pytest
 
 flwr = pytest.importorskip("flwr", reason="Flower is the optional extra dropfl[flower]")
 
+import feddyn_source  # noqa: E402
 import torch  # noqa: E402
-from feddyn_source import PLUGIN  # noqa: E402
 from flwr.app import Context, Error, Message, MessageType, RecordDict  # noqa: E402
 from flwr.common.constant import ErrorCode  # noqa: E402
 from flwr.common.serde import message_from_proto, message_to_proto  # noqa: E402
@@ -48,25 +48,11 @@ def task_identity(monkeypatch):
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    """The user's module (and a trap module) in a directory on sys.path; nothing registered or installed."""
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / f"{MOD}.py").write_text(PLUGIN)
-    (src / f"{TRAP}.py").write_text('raise RuntimeError("a task message made the client import this module")\n')
-    monkeypatch.syspath_prepend(str(src))
-    for m in (MOD, TRAP):
-        monkeypatch.delitem(sys.modules, m, raising=False)
-    yield src
-    for m in (MOD, TRAP):
-        sys.modules.pop(m, None)
+    yield from feddyn_source.user_module(tmp_path, monkeypatch, MOD, TRAP)
 
 
 def install_entry_point(src) -> None:
-    """The objective installed as a distribution installs it: a dropfl.objectives entry point."""
-    info = src / "dropfl_flower_feddyn-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dropfl-flower-feddyn\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[dropfl.objectives]\nfeddyn-term = {MOD}:FedDynTerm\n")
+    feddyn_source.install_entry_point(src, MOD, "dropfl-flower-feddyn")
 
 
 def config() -> SimConfig:

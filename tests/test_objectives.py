@@ -11,6 +11,7 @@ import json
 import sys
 import textwrap
 
+import feddyn_source
 import pytest
 import torch
 from feddyn_source import PLUGIN
@@ -27,30 +28,14 @@ MOD = "dropfl_feddyn_plugin"   # the user's module (FedDyn)
 TRAP = "dropfl_objective_trap"   # a module that a task message names as module:attr: must never be imported
 
 
-TRAP_SOURCE = 'raise RuntimeError("a task message made the agent import this module")\n'
-
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    """The user's module in a directory on sys.path (as PYTHONPATH would put it); nothing is registered."""
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / f"{MOD}.py").write_text(PLUGIN)
-    (src / f"{TRAP}.py").write_text(TRAP_SOURCE)
-    monkeypatch.syspath_prepend(str(src))
-    for m in (MOD, TRAP):
-        monkeypatch.delitem(sys.modules, m, raising=False)
-    yield src
-    for m in (MOD, TRAP):
-        sys.modules.pop(m, None)
+    yield from feddyn_source.user_module(tmp_path, monkeypatch, MOD, TRAP)
 
 
 def install_entry_point(src) -> None:
-    """Install the plugin's objective as a distribution would: its dist-info with a dropfl.objectives entry point."""
-    info = src / "dropfl_feddyn_plugin-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dropfl-feddyn-plugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[dropfl.objectives]\nfeddyn-term = {MOD}:FedDynTerm\n")
+    feddyn_source.install_entry_point(src, MOD, "dropfl-feddyn-plugin")
 
 
 # --- the registry and the built-ins --------------------------------------------------------------------------------
