@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -302,8 +303,11 @@ def test_quickstart_app_beside_dropfl_in_one_report_and_replayed(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     config = APP / "federation.toml"
+    pythonpath = os.environ.get("PYTHONPATH")
     assert main(["flower", "run", str(APP), "--config", str(config), "--rounds", "2", "--num-cpus", "1",
                  "--out", "flower"]) == 0
+    # Flower's Ray backend sets PYTHONPATH to this process's sys.path: put back, later subprocesses never see it
+    assert os.environ.get("PYTHONPATH") == pythonpath
     flower_run = tmp_path / "flower"
     assert {"config.json", "metrics.jsonl", "participation.csv", "reports.jsonl", "model.pt"} <= \
         {p.name for p in flower_run.iterdir()}

@@ -7,6 +7,8 @@ the three strategies one after another on its grid (one Ray start for the module
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 'dropfl[flower]')")
@@ -68,6 +70,10 @@ def flower_runs():
         mp.setenv("FLWR_TELEMETRY_ENABLED", "0")        # only loopback: no Flower telemetry, no Ray usage stats
         mp.setattr(telemetry, "FLWR_TELEMETRY_ENABLED", "0")
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Flower's Ray backend sets PYTHONPATH to this process's sys.path and leaves it: put back below, or later
+        # tests' subprocesses (a device venv's python) import from this venv (monkeypatch.delenv of an unset
+        # variable records nothing to undo)
+        pythonpath = os.environ.get("PYTHONPATH")
         # Ray's processes bind 127.0.0.1 only (without this its servers listen on every interface, even with
         # _node_ip_address): the processes it starts read the variable, this one read it at `import ray`
         import ray
@@ -83,6 +89,10 @@ def flower_runs():
         finally:
             ray.shutdown()
             torch.set_num_threads(threads)
+            if pythonpath is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = pythonpath
     assert all(algo in out for algo in ALGOS), f"the ServerApp did not finish: {sorted(out)}"
     return out
 

@@ -118,6 +118,9 @@ def _simulate(app_dir: Path, server_attr: str, client_attr: str, override: dict,
     from ray._private import ray_constants
 
     before = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    # Flower's Ray backend sets this process's PYTHONPATH to its whole sys.path (for Ray's workers) and leaves it:
+    # every later subprocess would then import from this venv (a device venv made by setup-device.sh included)
+    pythonpath = os.environ.get("PYTHONPATH")
     if ours:   # every Ray process on 127.0.0.1 (as tests/test_ray.py's cluster): the processes Ray starts read the
         os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"   # variable, this one read it at `import ray`
         ray_constants.ENABLE_RAY_CLUSTER = False
@@ -132,6 +135,10 @@ def _simulate(app_dir: Path, server_attr: str, client_attr: str, override: dict,
             raise e.__cause__ from None
         raise RunFailure(f"the Flower simulation of {app_dir} failed: {type(e).__name__}: {e}") from e
     finally:
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = pythonpath
         if ours and ray.is_initialized():
             ray.shutdown()
         if ours:   # as it was for whatever this process runs next
