@@ -871,8 +871,10 @@ def main() -> int:
         if args.compare:
             return compare(args, res, sizes, base)
         for n in sizes:
-            replay = args.replay == "all" or (args.replay == "largest" and n == max(sizes))
-            res["fleet"].append(fleet(n, args.per_process, args.rounds, args.heartbeat_s, base / f"fleet-{n}", replay))
+            # synthetic agents train nothing, so there is no model to replay
+            replay = args.synthetic is None and (args.replay == "all" or (args.replay == "largest" and n == max(sizes)))
+            res["fleet"].append(fleet(n, args.per_process, args.rounds, args.heartbeat_s, base / f"fleet-{n}", replay,
+                                      synthetic=args.synthetic, spread=args.spread))
             f = res["fleet"][-1]
             print(f"{n} agents: lost {f['lost']}, coordinator {f['coordinator']['cpu_s_per_round']:.2f} CPU s/round, "
                   f"overhead median {f['overhead_s']['median']:.3f} s", file=sys.stderr)
