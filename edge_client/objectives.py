@@ -29,6 +29,7 @@ model is uploaded (and downloaded) and the device's memory of its masks, so it s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
@@ -215,13 +216,29 @@ def loss_stacked(objectives: Sequence[Sequence[LocalObjective]], params: Sequenc
 
 
 # --- the task message ---------------------------------------------------------------------------------------
+@functools.cache
+def identity(name: str) -> dict:
+    """The identity of the code behind the objective `name` in this process (`edge_client.federation.PluginId`:
+    distribution, version and code digest; dropfl and its version for a built-in), as the wire carries it. Read
+    once per process: the code a process has loaded does not change under it."""
+    from edge_client.federation import plugin_id  # imports the model registry (torch-heavy): only when needed
+    p = plugin_id("objective", name, OBJECTIVES)
+    return {"dist": p.dist, "version": p.version, "digest": p.digest}
+
+
+def describe_identity(ident: dict) -> str:
+    from edge_client.federation import PluginId
+    return PluginId("objective", "", *(ident.get(k, "") for k in ("dist", "version", "digest"))).describe()
+
+
 def encode(objectives: Sequence[LocalObjective]) -> tuple[list[dict], torch.Tensor | None]:
     """The task message's `objectives` meta and tensor: each objective as {"name", "params", "tensors":
-    {field: numel}}, its tensors flattened to float32 and concatenated, in order, into the message's one tensor."""
+    {field: numel}, "plugin": its code's identity (`identity`)}, its tensors flattened to float32 and
+    concatenated, in order, into the message's one tensor."""
     meta, parts = [], []
     for o in objectives:
         params, tensors = o.to_wire()
-        item: dict = {"name": o.name, "params": params}
+        item: dict = {"name": o.name, "params": params, "plugin": identity(o.name)}
         if tensors:
             item["tensors"] = {k: int(t.numel()) for k, t in tensors.items()}
             parts += [t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors.values()]
@@ -251,8 +268,10 @@ def legacy(prox_mu: object, tensor: torch.Tensor | None) -> tuple[LocalObjective
 
 
 def decode(meta: object, tensor: torch.Tensor | None) -> tuple[LocalObjective, ...]:
-    """`encode`'s inverse on the device. PluginError for an objective not installed here; ValueError/TypeError for
-    a malformed list (tensor sizes that do not add up to the message's tensor, a bad parameter)."""
+    """`encode`'s inverse on the device. PluginError for an objective not installed here, or installed from other
+    code than the coordinator's (another distribution, version or code digest: the item's `plugin`; an item
+    without it, from an older coordinator, is not checked); ValueError/TypeError for a malformed list (tensor sizes
+    that do not add up to the message's tensor, a bad parameter)."""
     if not isinstance(meta, list):
         raise TypeError(f"objectives must be a list (got {type(meta).__name__})")
     if tensor is not None and tensor.dtype != torch.float32:
@@ -264,6 +283,17 @@ def decode(meta: object, tensor: torch.Tensor | None) -> tuple[LocalObjective, .
                 or not isinstance(item.get("tensors", {}), dict):
             raise TypeError("an objective must be {name, params, tensors}")
         cls = installed(item.get("name"))
+        want = item.get("plugin")
+        if want is not None:
+            if not isinstance(want, dict) or not all(isinstance(want.get(k), str) for k in ("dist", "version",
+                                                                                              "digest")):
+                raise TypeError(f"objective {cls.name!r}: plugin must be {{dist, version, digest}} strings")
+            have = identity(cls.name)
+            if {k: want[k] for k in have} != have:
+                fix = f"{want['dist']} {want['version']}" if want["dist"] else "the coordinator's code"
+                raise PluginError("local objective", cls.name,
+                                  f"differs from the coordinator's (on this device: {describe_identity(have)}; on the "
+                                  f"coordinator: {describe_identity(want)}): install {fix} on the device")
         tensors = {}
         for k, n in item.get("tensors", {}).items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 0 or flat is None or at + n > flat.numel():

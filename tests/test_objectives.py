@@ -20,6 +20,7 @@ from torch import nn
 from coordinator.strategies import FedProx, Scaffold
 from edge_client import agent as ag
 from edge_client import objectives, wire
+from edge_client.federation import dropfl_version
 from edge_client.models import build_model, get_flat, set_flat
 from edge_client.objectives import OBJECTIVES, Correction, PluginError, Proximal
 from edge_client.trainer import TrainTask, batch_plan, client_generator, local_train
@@ -112,8 +113,9 @@ def test_the_task_message_carries_the_objectives_by_name():
     c = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     objs = (Proximal(0.01), Correction(c))
     meta, tensor = objectives.encode(objs)
-    assert meta == [{"name": "proximal", "params": {"mu": 0.01}},
-                    {"name": "correction", "params": {}, "tensors": {"c": 1000}}]
+    builtin = {"dist": "dropfl", "version": dropfl_version(), "digest": ""}   # the code behind each, by identity
+    assert meta == [{"name": "proximal", "params": {"mu": 0.01}, "plugin": builtin},
+                    {"name": "correction", "params": {}, "tensors": {"c": 1000}, "plugin": builtin}]
     assert torch.equal(tensor, c)   # SCAFFOLD's correction is the message's tensor, as before objectives
     frames = wire.encode("task", "run", 2, 1, tensor, {"lr": 0.1, "objectives": meta}, wire.Limits(chunk_bytes=512))
     assert len(frames) == 8   # chunked, reassembled by the wire
@@ -283,6 +285,29 @@ def test_an_agent_declines_an_objective_it_does_not_have_and_never_imports_a_mod
         assert topic.endswith("/update/decline") and m.meta["reason"] == "declined" and a.task is None
         assert f"local objective {name!r}: not installed on this device" in m.meta["detail"]
     assert TRAP not in sys.modules
+
+
+def test_an_agent_declines_an_objective_whose_code_differs_from_the_coordinators(tmp_path, monkeypatch):
+    a, sent = _agent(tmp_path, monkeypatch)
+    task = TrainTask(client=1, round=4, lr=0.1, batch_size=8, steps=2, seed=2, objectives=(Proximal(0.1),))
+    meta, tensor = objectives.encode(task.objectives)
+    assert meta[0]["plugin"] == objectives.identity("proximal")
+    meta[0]["plugin"] = {"dist": "dropfl", "version": "0.0.1", "digest": ""}   # the coordinator runs another version
+    m = {"lr": task.lr, "batch_size": task.batch_size, "steps": task.steps, "seed": task.seed, "objectives": meta}
+    _deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 4, 1, tensor, m))
+    (topic, payload), = sent
+    d = wire.decode([payload])
+    assert topic.endswith("/update/decline") and d.meta["reason"] == "declined" and a.task is None
+    assert d.meta["detail"] == (f"local objective 'proximal': differs from the coordinator's (on this device: dropfl "
+                                f"{dropfl_version()}; on the coordinator: dropfl 0.0.1): install dropfl 0.0.1 on the "
+                                f"device")
+    meta[0]["plugin"] = {"dist": "dropfl"}   # malformed: refused as a malformed task, never trained
+    sent.clear()
+    _deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 4, 1, tensor, m))
+    assert sent == [] and a.task is None
+    del meta[0]["plugin"]   # an older coordinator's task names no identity: trained as before
+    _deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 4, 1, tensor, m))
+    assert a.task is not None and a.task[1].objectives == (Proximal(0.1),)
 
 
 def test_an_agent_with_the_plugin_installed_trains_it_as_the_simulation(plugin, tmp_path, monkeypatch):
