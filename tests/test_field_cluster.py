@@ -94,7 +94,8 @@ def status(hub, c, state, **meta):
 
 def test_a_failover_resend_of_an_update_is_aggregated_once(tmp_path):
     hub = make_hub(tmp_path)
-    r = hub.round = RoundState(0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
+    r = hub.collection.round = RoundState(
+        0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
     w = torch.arange(4, dtype=torch.float32)
     frames = wire.encode("update", "run-x", 0, 1, w, {"num_samples": 5, "steps": 1}, wire.Limits(chunk_bytes=4))
     assert len(frames) == 4
@@ -113,7 +114,8 @@ def test_a_failover_resend_of_an_update_is_aggregated_once(tmp_path):
 
 def test_an_announce_reply_is_no_rejoin_but_a_reconnect_is(tmp_path):
     hub = make_hub(tmp_path)
-    r = hub.round = RoundState(0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
+    r = hub.collection.round = RoundState(
+        0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
     status(hub, 0, "online", reply=True)   # answers our announce request: it lost nothing
     assert not r.rejoined
     status(hub, 0, "online")               # announced on a (re)connect: re-send its task
@@ -161,7 +163,8 @@ def test_a_status_of_the_connection_already_held_online_is_no_rejoin(tmp_path):
     status naming the connection (`session`) the coordinator already holds online re-sends nothing; one
     naming a new connection is a rejoin."""
     hub = make_hub(tmp_path)
-    r = hub.round = RoundState(0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
+    r = hub.collection.round = RoundState(
+        0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
     status(hub, 1, "online", session="ab:1")
     assert r.rejoined == {1}                 # the first status naming its session: a (re)connect
     r.rejoined.clear()
@@ -228,7 +231,7 @@ def test_mosquitto_coordinator_after_agents_without_retained_and_a_dead_first_ur
             t0 = time.monotonic()
             hub.start()
             try:
-                assert hub.wait_for_agents(2, 30) == 2
+                assert hub.registry.wait_for_agents(2, 30) == 2
                 registered_s = time.monotonic() - t0
             finally:
                 hub.stop(finished=False)
@@ -445,7 +448,7 @@ def test_tls_broker_list_fails_over_with_one_ca(tmp_path):
         hub.start()
         try:
             with hub.cond:
-                assert hub.cond.wait_for(lambda: hub.connects >= 1, timeout=30)
-            assert hub.brokers.url == broker.url
+                assert hub.cond.wait_for(lambda: hub.connection.connects >= 1, timeout=30)
+            assert hub.connection.brokers.url == broker.url
         finally:
             hub.stop(finished=False)

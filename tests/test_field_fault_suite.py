@@ -37,13 +37,14 @@ def test_an_agents_silence_counts_only_while_the_broker_answers(tmp_path, monkey
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     hub = make_hub(tmp_path)                   # statuses and heartbeats at t = 1000
     hub.cfg.heartbeat_timeout_s = 3.0
-    a = hub.by_client[0]
-    assert hub.is_online(a, 1002.9) and not hub.is_online(a, 1003.1)  # never connected: the plain timeout
-    hub.last_contact = 1000.0                  # the broker's last delivery; then it froze
-    assert hub.is_online(a, 1000.0 + 3.0 + CONTACT_SLACK_S - 0.01)
-    assert hub.is_online(a, 1030.0)            # silent with the broker: not offline
-    hub.last_contact = 1029.5                  # the broker answers again (its probe's echo); the agent is silent
-    assert not hub.is_online(a, 1030.0)
+    a = hub.registry.by_client[0]
+    # never connected: the plain timeout
+    assert hub.registry.is_online(a, 1002.9) and not hub.registry.is_online(a, 1003.1)
+    hub.outage.last_contact = 1000.0           # the broker's last delivery; then it froze
+    assert hub.registry.is_online(a, 1000.0 + 3.0 + CONTACT_SLACK_S - 0.01)
+    assert hub.registry.is_online(a, 1030.0)   # silent with the broker: not offline
+    hub.outage.last_contact = 1029.5           # the broker answers again (its probe's echo); the agent is silent
+    assert not hub.registry.is_online(a, 1030.0)
 
 
 def run(name: str, tmp_path):

@@ -148,7 +148,7 @@ def sparse_hub(tmp_path) -> tuple[FieldHub, feddd.Layout]:
     layout = feddd.unit_layout(build_model("logreg", (1, 28, 28), 10, 0))
     hub = FieldHub(FieldConfig(run_id="run-x", heartbeat_timeout_s=60), 4, DataBinding(**BINDING), layout.numel,
                    tmp_path)
-    hub.layout = layout  # what MqttTransport sets
+    hub.collection.layout = layout  # what MqttTransport sets
     for c in range(4):
         hub._dispatch(f"d{c}", "status", wire.encode("status", "", -1, c, meta={"state": "online"} | BINDING)[0],
                       False)
@@ -166,7 +166,7 @@ def test_hub_decodes_a_valid_sparse_update_and_rejects_broken_ones(tmp_path):
     hub, layout = sparse_hub(tmp_path)
     tasks = {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4, dropout_rate=0.5) for c in range(3)}
     tasks[3] = TrainTask(client=3, round=0, lr=0.1, batch_size=4)  # a FedAvg task: no masks allowed
-    r = hub.round = RoundState(0, tasks, 0.0)
+    r = hub.collection.round = RoundState(0, tasks, 0.0)
     w = torch.linspace(-1, 1, layout.numel)
     w_local = w + 0.25
     masks = [np.array([True, False] * 5)]  # logreg: one layer of 10 neurons, keep 5

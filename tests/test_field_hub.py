@@ -41,13 +41,13 @@ def test_availability_comes_from_heartbeats_announce_and_binding(tmp_path):
 def test_round_collection_keeps_only_valid_updates_of_this_run_and_round(tmp_path):
     hub = make_hub(tmp_path)
     tasks = {c: TrainTask(client=c, round=2, lr=0.1, batch_size=4) for c in range(4)}
-    r = hub.round = RoundState(2, tasks, 0.0)
+    r = hub.collection.round = RoundState(2, tasks, 0.0)
     good = torch.arange(4, dtype=torch.float32)
     upload(hub, 0, good)
     upload(hub, 0, good)                         # QoS 1 redelivery
     upload(hub, 1, good, rnd=1)                  # late: last round's
     upload(hub, 1, good, run="other-run")        # stale: another run's
-    assert hub.late == 2 and 1 not in r.updates and 1 not in r.dropped
+    assert hub.collection.late == 2 and 1 not in r.updates and 1 not in r.dropped
     bad = bytearray(wire.encode("update", "run-x", 2, 1, good)[0])
     bad[-1] ^= 1
     hub._dispatch("d1", "update/delta", bytes(bad), False)  # corrupted in transit
@@ -59,7 +59,8 @@ def test_round_collection_keeps_only_valid_updates_of_this_run_and_round(tmp_pat
 
 def test_wrong_shape_and_missing_meta_are_rejected_and_a_last_will_drops(tmp_path):
     hub = make_hub(tmp_path)
-    r = hub.round = RoundState(0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
+    r = hub.collection.round = RoundState(
+        0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
     upload(hub, 0, torch.zeros(5), rnd=0)
     upload(hub, 1, torch.zeros(4), rnd=0, meta={"steps": 2})
     hub._dispatch("d2", "status", wire.encode("status", "", -1, 2, meta={"state": "offline"})[0], True)
@@ -69,7 +70,8 @@ def test_wrong_shape_and_missing_meta_are_rejected_and_a_last_will_drops(tmp_pat
 
 def test_an_update_from_a_device_for_another_client_is_rejected(tmp_path):
     hub = make_hub(tmp_path)
-    r = hub.round = RoundState(0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
+    r = hub.collection.round = RoundState(
+        0, {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(3)}, 0.0)
     for f in wire.encode("update", "run-x", 0, 2, torch.zeros(4), {"num_samples": 1, "steps": 1}):
         hub._dispatch("d1", "update/delta", f, False)   # device d1 (client 1) speaks for client 2
     assert r.dropped == {1: "rejected"} and not r.updates

@@ -60,16 +60,19 @@ def test_chunks_keep_an_agent_online_past_the_heartbeat_timeout_and_silence_mark
     monkeypatch.setattr(time, "monotonic", clock)
     hub = make_hub(tmp_path)   # statuses and one heartbeat each at t = 1000
     hub.cfg.heartbeat_timeout_s = 2.0
-    r = hub.round = RoundState(0, {0: TrainTask(client=0, round=0, lr=0.1, batch_size=4)}, clock.t)
+    r = hub.collection.round = RoundState(0, {0: TrainTask(client=0, round=0, lr=0.1, batch_size=4)}, clock.t)
     frames = chunks(0)         # 16 one-byte chunks: a slow upload, one chunk every 1.5 s
     for i, f in enumerate(frames[:-1]):
         clock.t += 1.5
         hub._dispatch("d0", "update/delta", f, False)
-        assert hub.is_online(hub.by_client[0], clock.t + 1.9), i  # no heartbeat for 1.5 (i + 1) s, still online
-    assert hub.is_online(hub.by_client[0], clock.t) and not hub.is_online(hub.by_client[1], clock.t)
+        # no heartbeat for 1.5 (i + 1) s, still online
+        assert hub.registry.is_online(hub.registry.by_client[0], clock.t + 1.9), i
+    agents = hub.registry
+    assert agents.is_online(agents.by_client[0], clock.t) and not agents.is_online(agents.by_client[1], clock.t)
     p = r.progress[0]
     assert p.row() == {"chunks": 15, "of": 16, "bytes": 15, "seconds": pytest.approx(1.5 * 14), "done": False}
-    assert not hub.is_online(hub.by_client[0], clock.t + 2.01)  # silent for longer than the timeout: offline
+    # silent for longer than the timeout: offline
+    assert not hub.registry.is_online(hub.registry.by_client[0], clock.t + 2.01)
     clock.t += 1.5
     hub._dispatch("d0", "update/delta", frames[-1], False)
     assert 0 in r.updates and r.progress[0].row()["done"]
@@ -178,9 +181,9 @@ def open_round(tmp_path, clients: int = 3, heartbeat_timeout_s: float | None = N
     hub = make_hub(tmp_path)
     if heartbeat_timeout_s is not None:
         hub.cfg.heartbeat_timeout_s = heartbeat_timeout_s
-    hub.num_params, hub.max_update_bytes = n, 8 * n + 64 * 1024
+    hub.collection.num_params, hub.collection.max_update_bytes = n, 8 * n + 64 * 1024
     published: list[tuple[str, int]] = []
-    hub.publish_frames = lambda topic, frames: published.extend((topic, len(f)) for f in frames)
+    hub.connection.publish_frames = lambda topic, frames: published.extend((topic, len(f)) for f in frames)
     transport = MqttTransport(hub, model, (1, 28, 28), tmp_path / "model.onnx")
     w = get_flat(model)
     tasks = [TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(clients)]
@@ -282,10 +285,11 @@ def test_a_silent_client_is_dropped_offline_by_the_liveness_timer_with_no_messag
 def test_an_update_trained_on_another_model_is_rejected_with_its_reason(tmp_path):
     hub = make_hub(tmp_path)
     tasks = {c: TrainTask(client=c, round=0, lr=0.1, batch_size=4) for c in range(2)}
-    r = hub.round = RoundState(0, tasks, 0.0, digest="a" * 16)
+    r = hub.collection.round = RoundState(0, tasks, 0.0, digest="a" * 16)
     for f in chunks(0, digest="b" * 16):
         hub._dispatch("d0", "update/delta", f, False)
-    assert 0 not in r.updates and 0 not in r.dropped and r.rejects == {"model": 1} and hub.rejects == {"model": 1}
+    assert 0 not in r.updates and 0 not in r.dropped and r.rejects == {"model": 1}
+    assert hub.collection.rejects == {"model": 1}
     for f in chunks(0, digest="a" * 16):     # the fresh one, trained on this round's model, still counts
         hub._dispatch("d0", "update/delta", f, False)
     for f in chunks(1):                      # an update without a digest is not checked

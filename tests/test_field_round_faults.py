@@ -17,7 +17,8 @@ from edge_client.trainer import TrainTask
 
 
 def open_round(hub, t=2, clients=(0, 1, 2)):
-    r = hub.round = RoundState(t, {c: TrainTask(client=c, round=t, lr=0.1, batch_size=4) for c in clients}, 0.0)
+    r = hub.collection.round = RoundState(
+        t, {c: TrainTask(client=c, round=t, lr=0.1, batch_size=4) for c in clients}, 0.0)
     return r
 
 
@@ -83,10 +84,10 @@ def test_an_update_arriving_while_the_round_waits_with_nobody_there_is_kept(tmp_
         r.dropped[c] = "offline"
         r.gone.add(c)
         r.note(c, now=now[0])
-    assert hub.nobody_online(now[0]) is not None and r.offline == {0, 1}
+    assert hub.absence.nobody_online(now[0]) is not None and r.offline == {0, 1}
     upload(hub, 0, torch.ones(4))       # its update, then its heartbeat, while the loop waits
     heartbeat(hub, 0)
-    assert 0 in r.updates and hub.nobody_online(now[0]) is None
+    assert 0 in r.updates and hub.absence.nobody_online(now[0]) is None
     assert r.dropped == {1: "offline"} and r.offline == {1} and r.offline_undone == {0}
 
 
@@ -119,22 +120,23 @@ def test_the_empty_federation_time_is_clipped_to_the_wait(tmp_path, monkeypatch)
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     hub = make_hub(tmp_path)
-    hub.last_contact = 990.0            # the broker's last delivery; it is frozen from then on
+    hub.outage.last_contact = 990.0     # the broker's last delivery; it is frozen from then on
 
     def freeze():                       # the silence is noticed at 1001: an outage from 990
-        hub._outage_began(since=hub.last_contact)
-        hub.silent = True
+        hub.outage.began(since=hub.outage.last_contact)
+        hub.outage.silent = True
 
     def thaw():                         # the broker answers again at 1002
-        hub._contact(now[0])
-        hub.expected_back = set()       # nobody awaited: the wait goes on only while nobody is there
+        hub.outage.contact(now[0])
+        hub.registry.expected_back = set()  # nobody awaited: the wait goes on only while nobody is there
 
     events = {1001.0: freeze, 1002.0: thaw}
-    hub.cond = FakeCond(now, events)
-    waited = hub.wait_while_empty(lambda t: None if t >= 1004.0 else "3 offline", "round 1 is suspended")
-    assert now[0] == 1004.0 and hub.downtime(now[0]) == 12.0   # the outage: 990 to 1002
+    for part in (hub.outage, hub.registry, hub.absence):  # the components that wait on the hub's condition
+        part.cond = FakeCond(now, events)
+    waited = hub.absence.wait_while_empty(lambda t: None if t >= 1004.0 else "3 offline", "round 1 is suspended")
+    assert now[0] == 1004.0 and hub.outage.downtime(now[0]) == 12.0   # the outage: 990 to 1002
     # 1000 to 1004, less the outage's part in it: 1000 to 1002 (before: less all 12 s of it, -8 s)
-    assert waited == 2.0 and hub.empty_s == 2.0 and hub.empty_time(now[0]) == 2.0
+    assert waited == 2.0 and hub.absence.empty_s == 2.0 and hub.absence.empty_time(now[0]) == 2.0
 
 
 # --- 4. the broker-silence bound follows the bytes the broker was just given to send ---
@@ -149,36 +151,36 @@ def test_a_busy_broker_is_not_an_outage_but_a_frozen_one_still_is(tmp_path, monk
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     hub = make_hub(tmp_path)            # 5 agents known
-    hub.last_contact = 1000.0
-    hub.mqtt.publish = lambda *a, **k: None
+    hub.outage.last_contact = 1000.0
+    hub.connection.mqtt.publish = lambda *a, **k: None
     model = [b"x" * 1_000_000] * 10     # 10 MB of model frames to each of the 5 agents: 50 MB to send
-    hub.publish_frames("model/weights", model)
-    assert hub.owed_bytes(now[0]) == 50e6
+    hub.connection.publish_frames("model/weights", model)
+    assert hub.outage.owed_bytes(now[0]) == 50e6
     bound = silence_bound(50e6)
     with hub.cond:                      # as the probe thread and paho's thread hold it
         now[0] = 1000.0 + bound - 0.1   # silent, but the broker may still be sending the model
-        hub._silence(now[0])
-        assert hub.down_since is None
+        hub.outage.silence(now[0])
+        assert hub.outage.down_since is None
         now[0] = 1000.0 + bound + 0.1   # silent past what that fan-out can take: frozen
-        hub._silence(now[0])
-        assert hub.down_since == 1000.0 and hub.silent   # dated from the last healthy contact
-        hub._contact(now[0] + 1)
-        assert hub.down_since is None
+        hub.outage.silence(now[0])
+        assert hub.outage.down_since == 1000.0 and hub.outage.silent   # dated from the last healthy contact
+        hub.outage.contact(now[0] + 1)
+        assert hub.outage.down_since is None
 
 
 def test_owed_bytes_end_with_the_echo_of_a_later_probe(tmp_path, monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     hub = make_hub(tmp_path)
-    hub.mqtt.publish = lambda *a, **k: None
-    hub.publish_frames("model/weights", [b"x" * 1000])
-    hub.publish_frames("device/d0/control", [b"y" * 100])   # one device's topic: sent once
-    assert hub.owed_bytes(now[0]) == 1000 * 5 + 100
+    hub.connection.mqtt.publish = lambda *a, **k: None
+    hub.connection.publish_frames("model/weights", [b"x" * 1000])
+    hub.connection.publish_frames("device/d0/control", [b"y" * 100])   # one device's topic: sent once
+    assert hub.outage.owed_bytes(now[0]) == 1000 * 5 + 100
     now[0] += 0.1
-    hub._contact(now[0])                # some message from the broker: not proof that it took in the model
-    assert hub.owed_bytes(now[0]) == 1000 * 5 + 100
-    hub._probe_echo(now[0], sent_at=999.0)                   # the echo of a probe published before them
-    assert hub.owed_bytes(now[0]) == 1000 * 5 + 100
-    hub._probe_echo(now[0], sent_at=now[0] - 0.05)           # the echo of a probe published after them
-    assert hub.owed_bytes(now[0]) == 0
-    assert outage.silence_bound(hub.owed_bytes(now[0])) == BROKER_SILENT_S
+    hub.outage.contact(now[0])          # some message from the broker: not proof that it took in the model
+    assert hub.outage.owed_bytes(now[0]) == 1000 * 5 + 100
+    hub.outage.probe_echo(now[0], sent_at=999.0)              # the echo of a probe published before them
+    assert hub.outage.owed_bytes(now[0]) == 1000 * 5 + 100
+    hub.outage.probe_echo(now[0], sent_at=now[0] - 0.05)      # the echo of a probe published after them
+    assert hub.outage.owed_bytes(now[0]) == 0
+    assert outage.silence_bound(hub.outage.owed_bytes(now[0])) == BROKER_SILENT_S

@@ -130,7 +130,8 @@ def test_a_task_whose_round_is_already_over_is_not_trained(tmp_path, monkeypatch
 def test_the_coordinator_counts_a_stale_uploads_chunks_in_the_round_they_arrive(tmp_path):
     from test_field_hub import make_hub
     hub = make_hub(tmp_path)
-    r = hub.round = RoundState(1, {c: TrainTask(client=c, round=1, lr=0.1, batch_size=4) for c in range(2)}, 0.0)
+    r = hub.collection.round = RoundState(
+        1, {c: TrainTask(client=c, round=1, lr=0.1, batch_size=4) for c in range(2)}, 0.0)
     old = wire.encode("update", "run-x", 0, 1, torch.zeros(8), {"num_samples": 1, "steps": 1},
                       wire.Limits(chunk_bytes=4))
     for f in old[:1]:   # the tail of round 0's upload, sent before the agent saw round 1's task

@@ -18,8 +18,8 @@ GOOD = {"num_samples": 10, "steps": 2}
 
 
 def open_round(hub: FieldHub, t: int = 0, clients: range = range(3)) -> RoundState:
-    hub.round = RoundState(t, {c: TrainTask(client=c, round=t, lr=0.1, batch_size=4) for c in clients}, 0.0)
-    return hub.round
+    hub.collection.round = RoundState(t, {c: TrainTask(client=c, round=t, lr=0.1, batch_size=4) for c in clients}, 0.0)
+    return hub.collection.round
 
 
 def announce_samples(hub: FieldHub, c: int, n: int) -> None:
@@ -32,7 +32,7 @@ def test_oversized_update_is_rejected_at_its_first_chunk_and_nothing_is_buffered
     r = open_round(hub)
     big = wire.encode("update", "run-x", 0, 0, torch.zeros(40_000), GOOD, wire.Limits(chunk_bytes=4096))
     hub._dispatch("d0", "update/delta", big[0], False)
-    assert r.dropped == {0: "rejected"} and r.rejects == {"too_large": 1} and not hub.reasm.pending
+    assert r.dropped == {0: "rejected"} and r.rejects == {"too_large": 1} and not hub.collection.reasm.pending
 
 
 def test_meta_of_the_wrong_type_is_a_reject_not_a_crash(tmp_path):
@@ -71,7 +71,7 @@ def test_nan_shape_and_replay_are_counted_by_code(tmp_path):
     upload(hub, 1, torch.zeros(2, 2), rnd=3)
     upload(hub, 2, torch.zeros(4), rnd=2)  # last round's update, replayed
     upload(hub, 2, torch.zeros(4), rnd=3)
-    assert r.rejects == {"nonfinite": 1, "shape": 1, "round": 1} and hub.rejects == r.rejects
+    assert r.rejects == {"nonfinite": 1, "shape": 1, "round": 1} and hub.collection.rejects == r.rejects
     assert list(r.updates) == [2] and r.dropped == {0: "rejected", 1: "rejected"}
 
 
@@ -84,7 +84,7 @@ def test_eval_is_bound_to_the_run_and_only_its_fields_reach_the_log(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "field.jsonl").read_text().splitlines()]
     evals = [row for row in rows if row["event"] != "agent"]
     assert evals == [{"event": "eval", "round": 1, "client": 0, "accuracy": 0.5, "samples": 100, "seconds": 0.1}]
-    assert hub.rejects == {"run": 1, "meta": 1}
+    assert hub.collection.rejects == {"run": 1, "meta": 1}
 
 
 def test_status_and_heartbeat_must_match_the_device_of_the_topic(tmp_path):
@@ -94,8 +94,9 @@ def test_status_and_heartbeat_must_match_the_device_of_the_topic(tmp_path):
     hub._dispatch("d0", "status", wire.encode("status", "", -1, 2, meta={"state": "online"} | BINDING)[0], False)
     hub._dispatch("d0", "heartbeat", wire.encode("heartbeat", "", -1, 1, meta={"available": False})[0], False)
     hub._dispatch("d9", "status", wire.encode("status", "", -1, 1, meta={"state": "online"} | BINDING)[0], False)
-    assert hub.rejects == {"device": 1, "client": 3}
-    assert hub.agents["d0"].client == 0 and hub.agents["d0"].heartbeat["available"] and "d9" not in hub.agents
+    assert hub.collection.rejects == {"device": 1, "client": 3}
+    agents = hub.registry.agents
+    assert agents["d0"].client == 0 and agents["d0"].heartbeat["available"] and "d9" not in agents
 
 
 def test_a_tensor_where_none_belongs_is_rejected(tmp_path):
@@ -113,7 +114,7 @@ def test_one_device_cannot_make_the_coordinator_buffer_more_than_a_few_partial_u
     for rnd in range(1, 30):  # first chunks of updates for future rounds, never completed
         hub._dispatch("d0", "update/delta", wire.encode("update", "run-x", rnd, 0, torch.zeros(4), GOOD, lim)[0], False)
     hub._dispatch("d1", "update/delta", wire.encode("update", "run-x", 0, 1, torch.ones(4), GOOD, lim)[0], False)
-    by_client = [k[2] for k in hub.reasm.pending]
+    by_client = [k[2] for k in hub.collection.reasm.pending]
     assert by_client.count(0) == wire.Limits().max_pending_per_client and by_client.count(1) == 1
 
 
@@ -123,10 +124,10 @@ def test_an_unexpected_exception_is_counted_and_does_not_kill_the_network_thread
     def broken(*args) -> None:
         raise KeyError("bug")
 
-    monkeypatch.setattr(hub, "_dispatch", broken)
+    monkeypatch.setattr(hub.connection, "deliver", broken)  # the hub's router, as the connection calls it
     msg = SimpleNamespace(topic="dropfl/v1/device/d0/update/delta", payload=b"", retain=False)
-    hub._on_message(None, None, msg)  # paho would let this exception end its network thread
-    assert hub.rejects == {"internal": 1}
+    hub.connection._on_message(None, None, msg)  # paho would let this exception end its network thread
+    assert hub.collection.rejects == {"internal": 1}
 
 
 def test_announcing_a_huge_sample_count_does_not_raise_the_bound_past_2_31(tmp_path):

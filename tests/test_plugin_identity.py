@@ -92,7 +92,7 @@ def test_an_agent_with_another_version_of_the_plugin_is_refused_naming_it(tmp_pa
             f"device") in said, said
     refused = [json.loads(line) for line in (tmp_path / "field.jsonl").read_text().splitlines()]
     assert [e["device"] for e in refused if "refused" in e] == ["d1"]   # recorded in the run's field.jsonl
-    assert hub.by_client[1].mismatch and not hub.by_client[0].mismatch
+    assert hub.registry.by_client[1].mismatch and not hub.registry.by_client[0].mismatch
     # refused from its announce on, before any heartbeat: `rejected`, never `offline`
     meta = json.loads(json.dumps({"state": "online", "device": "d2", "num_samples": 10} | other.to_meta()))
     hub._dispatch("d2", "status", wire.encode("status", "", -1, 2, meta=meta)[0], False)
@@ -134,7 +134,7 @@ def test_a_module_attr_the_coordinator_names_is_never_imported_on_the_device(tmp
     device = ag.binding_of(_agent_cfg(1, "logreg"), labels)
     hub = FieldHub(FieldConfig(run_id="run-t", heartbeat_timeout_s=60), N, coord, 7850, tmp_path)
     _join(hub, 1, device)
-    assert "model (agent 'logreg', coordinator 'evilnet:build')" in hub.by_client[1].mismatch
+    assert "model (agent 'logreg', coordinator 'evilnet:build')" in hub.registry.by_client[1].mismatch
     assert "evilnet" not in sys.modules and not (trap / "RAN").exists()
     # a binding built on the device from a config naming evilnet:build digests the module without running it
     assert federation.plugin_ids("evilnet:build", "fmnist", "shards")[0].digest == coord.plugins[0].digest

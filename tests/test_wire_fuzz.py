@@ -154,7 +154,8 @@ def test_a_shape_whose_int64_product_wraps_around_is_rejected():
        st.booleans(), st.integers(min_value=0, max_value=3))
 def test_hub_never_raises_and_aggregates_only_valid_updates(tmp_path_factory, sub, kind, meta, shape, nan, client):
     hub = make_hub(tmp_path_factory.mktemp("hub"))  # model of 4 parameters; devices d0..d4 = clients 0..4
-    r = hub.round = RoundState(2, {c: TrainTask(client=c, round=2, lr=0.1, batch_size=4) for c in range(4)}, 0.0)
+    r = hub.collection.round = RoundState(
+        2, {c: TrainTask(client=c, round=2, lr=0.1, batch_size=4) for c in range(4)}, 0.0)
     tensor = None if shape is None else torch.ones(shape)
     if tensor is not None and nan:
         tensor.view(-1)[0] = float("nan")
@@ -170,4 +171,4 @@ def test_hub_never_raises_and_aggregates_only_valid_updates(tmp_path_factory, su
         assert all(st_meta.get(k) is None or isinstance(st_meta[k], int | float)
                    for k in ("upload_s", "upload_bytes", "uplink_Bps"))
         assert telemetry.check(st_meta) is None  # what telemetry.jsonl gets: checked (coordinator/field/telemetry.py)
-    assert "internal" not in hub.rejects
+    assert "internal" not in hub.collection.rejects

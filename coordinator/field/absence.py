@@ -2,14 +2,15 @@
 
 An empty round in the field is not the answer of a model of availability, as in simulation: every agent
 gone at once is a fault (agents killed, a network cut; a broker that stops answering is an outage, outage.py).
-`Absence` is part of `FieldHub` (coordinator/field/hub.py), used by the loop's thread under the hub's lock `cond`:
+`Absence` is the hub's component for it (coordinator/field/hub.py), used by the loop's thread under the hub's lock
+`cond`; it reads the agents' states from the registry and the broker's outages from `Outage`:
 
 - `FieldAvailability.round` (registry.py) starts no round while no client is available (`nobody_available`):
   it `wait_while_empty`s until one is.
 - `MqttTransport.run_round` (transport.py) does not close a round in which no update arrived, some selected
   client was lost (`offline`) and no agent is online any more (`nobody_online`): the round is suspended, its
   deadline moves by the time spent waiting. When an agent is back, the selected clients lost without an
-  update get the time agents get after a broker outage to come back (`await_back`, outage.py: their
+  update get the time agents get after a broker outage to come back (`Registry.await_back`: their
   `offline` drop is undone; one that is not back by then is `offline`, as always).
 - `wait_while_empty` logs that it is waiting, with the time so far and why nobody is there, every
   LOG_EVERY_S, and raises `EmptyFederation` (a RunFailure, exit 1) once the federation has been empty for
@@ -25,10 +26,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from coordinator.errors import RunFailure
-from coordinator.field.outage import AGENT_RECONNECT_S, LOG_EVERY_S
+from coordinator.field.outage import LOG_EVERY_S
 
 if TYPE_CHECKING:
     from coordinator.field.connection import FieldConfig
@@ -40,16 +41,30 @@ class EmptyFederation(RunFailure):
     """No agent was there to take part for longer than `--empty-federation-timeout`."""
 
 
+class Agents(Protocol):
+    """What the empty-federation waits read of the agents (registry.py `Registry`)."""
+
+    def client_status(self, c: int, now: float) -> str | None: ...
+    def online_count(self) -> int: ...
+    def awaited(self, now: float) -> set[int]: ...
+    def wait_until_settled(self, what: str) -> None: ...
+
+
+class Broker(Protocol):
+    """What they read of the broker's outages (outage.py `Outage`): its time is not the federation's."""
+
+    down_since: float | None
+    outage_spans: list[tuple[float, float]]
+
+    def downtime_between(self, t0: float, now: float, spans_from: int = 0) -> float: ...
+
+
 class Absence:
-    """FieldHub's empty-federation waits. Uses the hub's `cfg`, `cond`, `n`, and from the registry
-    `client_status`, `online_count`, from outage.py `down_since`, `downtime_between`, `outage_spans`, `awaited`,
-    `wait_until_settled`."""
+    """FieldHub's empty-federation waits, and the time they took (`empty_s`, `empty_time`). Reads the agents'
+    states (`Agents`) and the broker's outages (`Broker`); under the hub's lock `cond`."""
 
-    cfg: FieldConfig
-    cond: threading.Condition
-    n: int
-
-    def _init_absence(self) -> None:
+    def __init__(self, cfg: FieldConfig, cond: threading.Condition, n: int, agents: Agents, broker: Broker):
+        self.cfg, self.cond, self.n, self.agents, self.broker = cfg, cond, n, agents, broker
         self.empty_s = 0.0                    # time spent in empty-federation waits that have ended
         self._empty_since: float | None = None
         self._empty_spans0 = 0                # outages that had ended when the wait in progress began
@@ -61,23 +76,23 @@ class Absence:
         if self._empty_since is None:
             return self.empty_s
         since = self._empty_since
-        return self.empty_s + (now - since) - self.downtime_between(since, now, self._empty_spans0)
+        return self.empty_s + (now - since) - self.broker.downtime_between(since, now, self._empty_spans0)
 
     def _absent(self, now: float) -> str:
         """Why nobody is there: the clients' reasons, counted ("3 offline, 2 battery")."""
-        counts = Counter(self.client_status(c, now) or "available" for c in range(self.n))
+        counts = Counter(self.agents.client_status(c, now) or "available" for c in range(self.n))
         return ", ".join(f"{k} {why}" for why, k in counts.most_common())
 
     def nobody_available(self, now: float) -> str | None:
         """None if some client may take part now, else why none may (`_absent`)."""
-        if any(self.client_status(c, now) is None for c in range(self.n)):
+        if any(self.agents.client_status(c, now) is None for c in range(self.n)):
             return None
         return self._absent(now)
 
     def nobody_online(self, now: float) -> str | None:
         """None if some agent (with the run's data binding) is online, or awaited after a broker outage; else
         why nobody is there."""
-        if self.online_count() or self.awaited(now):
+        if self.agents.online_count() or self.agents.awaited(now):
             return None
         return self._absent(now)
 
@@ -90,11 +105,11 @@ class Absence:
         if why is None:
             return 0.0
         limit, next_log = self.cfg.empty_federation_timeout_s, 0.0
-        self._empty_since, self._empty_spans0 = now, len(self.outage_spans)
+        self._empty_since, self._empty_spans0 = now, len(self.broker.outage_spans)
         try:
             while why is not None:
-                if self.down_since is not None:  # an outage: its own wait and timeout; not counted here
-                    self.wait_until_settled(what)
+                if self.broker.down_since is not None:  # an outage: its own wait and timeout; not counted here
+                    self.agents.wait_until_settled(what)
                 now = time.monotonic()
                 waited = self.empty_time(now) - self.empty_s
                 if waited >= limit:
@@ -114,12 +129,3 @@ class Absence:
         finally:
             self.empty_s = self.empty_time(time.monotonic())
             self._empty_since = None
-
-    def await_back(self, devices: set[str], now: float) -> None:
-        """After an empty-federation wait: `devices` (selected, lost without an update) get the time agents get
-        after a broker outage to come back (outage.py `awaited`)."""
-        if not devices:
-            return
-        still = self.expected_back if now < self.back_by else set()  # a broker outage's, still awaited
-        self.expected_back = set(devices) | still
-        self.reconnected_at, self.back_by = now, now + AGENT_RECONNECT_S + self.cfg.heartbeat_timeout_s

@@ -133,17 +133,16 @@ class RoundState:
 
 
 class Collection:
-    """FieldHub's round collection. Uses the hub's `cfg`, `num_params`, `limits` and `agents`; sets
-    `round` (opened by MqttTransport), `reasm`, `layout` (set by MqttTransport), `late`, `rejects`,
-    `max_update_bytes`, `field_log`."""
+    """FieldHub's round collection: the open `round` (opened by MqttTransport), the update reassembler `reasm`,
+    the model's FedDD `layout` (set by MqttTransport), the run's `late` and `rejects` counts, and `field.jsonl`
+    (`write_log`). Needs nothing of the other parts: the hub hands it each round message with the sending
+    device's `AgentInfo` (`on_message`), and the registry tells it of an agent's arrival, loss or return
+    (`agent_online`, `agent_offline`, `heard_again`: registry.py `RoundHooks`). Wakes the round loop on `wake`
+    (the hub's condition on its lock) only when a change may change the closing rule's decision."""
 
-    cfg: FieldConfig
-    num_params: int
-    limits: wire.Limits
-    agents: dict[str, AgentInfo]
-    wake: threading.Condition  # the round loop waits on it (under the hub's lock): notified by `_changed`
-
-    def _init_collection(self, rundir_path: Path) -> None:
+    def __init__(self, cfg: FieldConfig, num_params: int, limits: wire.Limits, wake: threading.Condition,
+                 rundir_path: Path):
+        self.cfg, self.num_params, self.limits, self.wake = cfg, num_params, limits, wake
         self.reasm = wire.Reassembler(self.limits)
         self.layout: feddd.Layout | None = None  # the model's FedDD units, to decode sparse updates (MqttTransport)
         self.round: RoundState | None = None
@@ -156,7 +155,7 @@ class Collection:
         with open(self.field_log, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def _reject(self, device: str, sub: str, code: str, reason: str) -> None:
+    def reject(self, device: str, sub: str, code: str, reason: str) -> None:
         """Log a rejected message with its reason and count it by code (field.jsonl `rejects`)."""
         self.rejects[code] = self.rejects.get(code, 0) + 1
         r = self.round
@@ -176,8 +175,9 @@ class Collection:
         if r.note(c, now):
             self._wake()
 
-    # --- hooks for the registry: an agent of the open round came (back) online or went offline ---
-    def _agent_online(self, c: int) -> None:
+    # --- hooks for the registry (registry.py `RoundHooks`): an agent of the open round came (back) online or went
+    # offline, or was heard from again ---
+    def agent_online(self, c: int) -> None:
         r = self.round
         if r is not None and not r.closed and c in r.tasks:
             r.gone.discard(c)  # heard from again: its stats (after an update) are due again
@@ -193,7 +193,7 @@ class Collection:
         """Client c, selected in the open round and dropped `offline` in it (or found gone), was heard from again
         (`what`: "a heartbeat", "its update"): it was not unreachable after all, so the drop is undone and it is
         owed its update (or its stats) again; no task is re-sent (its connection held: an agent that reconnects
-        sends a status, `_agent_online`, and gets the task again). True if something was undone."""
+        sends a status, `agent_online`, and gets the task again). True if something was undone."""
         r = self.round
         if r is None or r.closed or c not in r.tasks:
             return False
@@ -210,7 +210,7 @@ class Collection:
         self._wake()
         return True
 
-    def _agent_offline(self, c: int) -> None:
+    def agent_offline(self, c: int) -> None:
         r = self.round
         if r is not None and not r.closed and c in r.tasks:
             if c not in r.updates:
@@ -218,12 +218,25 @@ class Collection:
             r.gone.add(c)  # its update (if complete) still counts; its stats will not come
             self._changed(r, c, now=time.monotonic())
 
+    # --- a broker outage ended (the hub, on paho's network thread, under cond; outage.py) ---
+    def back_after_outage(self, clients: set[int]) -> None:
+        """`clients` were alive when the broker went away: the outage decides their drops for `offline` around it,
+        not they (unless their update is in), and they are not gone (their last wills count for nothing)."""
+        r = self.round
+        if r is None or r.closed:
+            return
+        for c in clients:
+            if r.dropped.get(c) == "offline" and c not in r.updates:
+                del r.dropped[c]
+        r.gone -= clients
+        r.recount()
+
     # --- messages (paho network thread, under cond) ---
-    def _on_round_message(self, device: str, sub: str, payload: bytes, now: float) -> None:
-        """A device's `update/...` message: eval, or a chunk of its update, stats or decline."""
-        a = self.agents.get(device)
+    def on_message(self, a: AgentInfo | None, device: str, sub: str, payload: bytes, now: float) -> None:
+        """A device's `update/...` message: eval, or a chunk of its update, stats or decline. `a`: the registry's
+        record of `device` (None: it never announced itself)."""
         if a is None:
-            self._reject(device, sub, field_checks.DEVICE, "the device has not announced itself (no online status)")
+            self.reject(device, sub, field_checks.DEVICE, "the device has not announced itself (no online status)")
             return
         r = self.round
         if sub == "update/eval":
@@ -231,11 +244,11 @@ class Collection:
                 m = wire.decode([payload], self.limits, run=self.cfg.run_id, client=a.client, kinds=("eval",),
                                 max_nbytes=0)
             except wire.WireError as e:
-                self._reject(device, sub, e.code, e.reason)
+                self.reject(device, sub, e.code, e.reason)
                 return
             fields, problem = field_checks.eval_meta(m)
             if problem:
-                self._reject(device, sub, *problem)
+                self.reject(device, sub, *problem)
                 return
             self.write_log({"event": "eval", "round": m.header.round, "client": a.client} | fields)
             return
@@ -250,7 +263,7 @@ class Collection:
                                max_nbytes=self.max_update_bytes if kinds == ("update",) else 0)
         except wire.WireError as e:
             r.rejected += 1
-            self._reject(device, sub, e.code, e.reason)
+            self.reject(device, sub, e.code, e.reason)
             if a.client in r.tasks and not r.resolved(a.client) and a.client not in r.updates:
                 r.dropped[a.client] = "rejected"
                 self._changed(r, a.client)
@@ -264,10 +277,10 @@ class Collection:
             wire.check_binding(m.header, run=self.cfg.run_id, round=r.t)
         except wire.WireError as e:  # another run's or an earlier round's: late, never aggregated
             self.late += 1
-            self._reject(device, sub, e.code, f"{e.reason} (late, stale or replayed)")
+            self.reject(device, sub, e.code, f"{e.reason} (late, stale or replayed)")
             return
         if m.kind == "update" and (problem := field_checks.stale_model(m.meta, r.digest)):
-            self._reject(device, sub, *problem)  # trained on another model: never aggregated, does not drop
+            self.reject(device, sub, *problem)  # trained on another model: never aggregated, does not drop
             return
         if a.client not in r.tasks:
             return
@@ -280,7 +293,7 @@ class Collection:
         elif m.kind == "stats":
             problem = field_checks.stats(m)
             if problem:  # the update (if valid) still counts, without the upload rates
-                self._reject(device, sub, *problem)
+                self.reject(device, sub, *problem)
             r.stats.setdefault(c, {} if problem else m.meta)
             self._changed(r, c)
         elif c in r.updates:
@@ -296,7 +309,7 @@ class Collection:
             if problem:
                 r.rejected += 1
                 r.dropped[c] = "rejected"
-                self._reject(device, sub, *problem)
+                self.reject(device, sub, *problem)
             else:
                 r.updates[c], r.received_at[c] = m, now
             self._changed(r, c)

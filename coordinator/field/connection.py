@@ -11,7 +11,8 @@ agent answers with its status: retained statuses are an optimisation, never need
 (counts every (re)connect whose subscription the broker answered, so the round in progress can re-send
 what is outstanding),
 start/stop, and publishing. Incoming messages are parsed from their
-topic here and handed, under the hub's lock `cond`, to `_dispatch` (coordinator/field/hub.py).
+topic here and handed, under the hub's lock `cond`, to `deliver` (the hub's `FieldHub._dispatch`,
+coordinator/field/hub.py); what they say of the broker's health goes to its `Outage` (outage.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from paho.mqtt import client as mqtt
@@ -53,26 +54,25 @@ class FieldConfig:
     max_tensor_bytes: int = 256 * 1024 ** 2
 
 
-class Connection(Outage):
-    """FieldHub's MQTT part. Uses the hub's `cfg`, `n` and `cond`; sets `mqtt` and `connects`; broker
-    outages: coordinator/field/outage.py.
-    Calls the hub's `_dispatch` and, when that raises, `_reject` (coordinator/field/collection.py)."""
+class Connection:
+    """FieldHub's MQTT client: `mqtt`, the broker list `brokers`, `reconnect`, `connects`. Tells the broker's health
+    component `outage` (outage.py) of every contact, probe echo, publish and disconnect; hands a device's message
+    to `deliver(device, sub, payload, retained)` (the hub's router) and, when that raises, to `reject` (the
+    round collection's); `fan_out()` is how many agents a `model/...` frame goes to. Under the hub's lock `cond`."""
 
-    cfg: FieldConfig
-    n: int
-    cond: threading.Condition
-
-    def _init_connection(self) -> None:
-        cfg = self.cfg
+    def __init__(self, cfg: FieldConfig, n: int, cond: threading.Condition, outage: Outage,
+                 deliver: Callable[[str, str, bytes, bool], None], reject: Callable[[str, str, str, str], None],
+                 fan_out: Callable[[], int]):
+        self.cfg, self.n, self.cond, self.outage = cfg, n, cond, outage
+        self.deliver, self.reject, self.fan_out = deliver, reject, fan_out
         self.connects = 0
         self.stopping = False
-        self._init_outage()
         try:
             self.brokers = Brokers(cfg.broker, "--broker")
         except AgentError as e:  # the same parser as the agents'
             raise UserError(str(e)) from None
         client_id = f"dropfl-coordinator-{uuid.uuid4().hex[:8]}"
-        self.probe_topic = f"{TOPIC_ROOT}/coordinator/probe/{client_id}"  # to ourselves (outage.py `_silence`)
+        self.probe_topic = f"{TOPIC_ROOT}/coordinator/probe/{client_id}"  # to ourselves (outage.py `silence`)
         self._probing = threading.Event()
         self.reconnect = Reconnect(client_id)  # backoff with jitter, a fresh id after a refusal (the docstring)
         self.mqtt = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True)
@@ -99,13 +99,13 @@ class Connection(Outage):
 
     def _probe(self) -> None:
         """Every PROBE_EVERY_S while connected: a probe through the broker to ourselves, and the silence check
-        (outage.py `_silence`: a broker that stopped answering, its connection open)."""
+        (outage.py `silence`: a broker that stopped answering, its connection open)."""
         while not self._probing.wait(PROBE_EVERY_S):
             if not self.mqtt.is_connected():
                 continue
-            self.mqtt.publish(self.probe_topic, repr(time.monotonic()).encode(), qos=0)  # its time: `_probe_echo`
+            self.mqtt.publish(self.probe_topic, repr(time.monotonic()).encode(), qos=0)  # its time: `probe_echo`
             with self.cond:
-                self._silence(time.monotonic())
+                self.outage.silence(time.monotonic())
 
     def stop(self, finished: bool) -> None:
         self.stopping = True
@@ -123,11 +123,11 @@ class Connection(Outage):
     # --- publishing (any thread; paho queues while disconnected) ---
     def publish_frames(self, topic: str, frames: Iterable[bytes]) -> None:
         """Publish a message's frames (wire.encode's chunks) on `topic` under TOPIC_ROOT, QoS 1. What the broker
-        is given to send is counted (outage.py `_published`): a `model/...` frame once per known agent."""
+        is given to send is counted (outage.py `published`): a `model/...` frame once per known agent."""
         for f in frames:
             with self.cond:
-                self._published(time.monotonic(), len(f) * (max(len(self.agents), 1) if topic.startswith("model/")
-                                                            else 1))
+                self.outage.published(time.monotonic(), len(f) * (max(self.fan_out(), 1) if topic.startswith("model/")
+                                                                  else 1))
             self.mqtt.publish(f"{TOPIC_ROOT}/{topic}", f, qos=1)
 
     # --- paho callbacks (network thread) ---
@@ -154,16 +154,15 @@ class Connection(Outage):
             return
         with self.cond:
             self.connects += 1
-            self.last_contact = time.monotonic()
-            self._outage_ended()  # a reconnect ends a broker outage (coordinator/field/outage.py)
+            self.outage.contact(time.monotonic())
+            self.outage.ended()  # a reconnect ends a broker outage (coordinator/field/outage.py)
             self.cond.notify_all()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         if self.stopping:
             return
         with self.cond:  # unexpected: no round opens or closes until we are back (coordinator/field/outage.py)
-            self._outage_began()
-            self.silent = False  # from now on unreachable, whatever began the outage
+            self.outage.disconnected()  # from now on unreachable, whatever began the outage
         url = self.brokers.rotate(client)
         fresh = self.reconnect.on_lost(client)
         if reason_code.is_failure or fresh:
@@ -180,10 +179,10 @@ class Connection(Outage):
         parts = msg.topic.split("/")
         with self.cond:
             now = time.monotonic()
-            self._contact(now)  # anything from the broker (a probe's echo too): it answers
+            self.outage.contact(now)  # anything from the broker (a probe's echo too): it answers
             if msg.topic == self.probe_topic:
                 try:
-                    self._probe_echo(now, float(msg.payload))
+                    self.outage.probe_echo(now, float(msg.payload))
                 except ValueError:  # not one of ours (an older coordinator's empty probe): no time to go by
                     pass
                 return
@@ -191,8 +190,8 @@ class Connection(Outage):
                 return
             device, sub = parts[3], "/".join(parts[4:])
             try:
-                self._dispatch(device, sub, msg.payload, bool(msg.retain))
+                self.deliver(device, sub, msg.payload, bool(msg.retain))
             except Exception as e:  # a bug, not bad input (that is a reject): keep paho's network thread alive
-                self._reject(device, sub, "internal", f"{type(e).__name__}: {e} (a coordinator bug; please report)")
+                self.reject(device, sub, "internal", f"{type(e).__name__}: {e} (a coordinator bug; please report)")
             finally:
                 self.cond.notify_all()

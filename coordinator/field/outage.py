@@ -1,24 +1,26 @@
 """Field mode: a broker outage (the coordinator disconnected from the broker) opens and closes no round.
 
-`Outage` is part of the coordinator's `Connection` (coordinator/field/connection.py), under the hub's lock
-`cond`. paho's network thread marks where an outage begins (`_outage_began`, on an unexpected disconnect)
-and ends (`_outage_ended`, on the reconnect, or on the first message after a silence). The loop's thread
-never acts on what it cannot see while disconnected:
+`Outage` is the hub's component for the broker's health (coordinator/field/hub.py), under the hub's lock
+`cond`. paho's network thread marks where an outage begins (`began`, on an unexpected disconnect:
+`Connection._on_disconnect`) and ends (`ended`, on the reconnect, or `contact`, the first message after a
+silence). The hub hears of both (`on_began`, `on_ended`) and tells the registry and the open round. The loop's
+thread never acts on what it cannot see while disconnected:
 
 - `FieldAvailability.round` (registry.py) starts no round while disconnected: it `wait_until_settled`s.
 - `MqttTransport.run_round` (transport.py) neither drops clients nor closes the round while disconnected:
   it `wait_for_broker`s, and the round's deadline moves by the time spent disconnected (`downtime`).
 - Agents alive when the broker went away (by their heartbeats: an `offline` last will that a broker
-  shutting down sends counts for nothing) are `awaited` after the reconnect: for `AGENT_RECONNECT_S`
-  (their own reconnect, paho's backoff) plus a heartbeat timeout, until heard from again. Meanwhile the
-  open round does not count them as gone (their outage-time `offline` drop is undone), and the next round
-  waits for them before it looks who is available.
+  shutting down sends counts for nothing) are `awaited` after the reconnect (the registry's
+  `Registry.awaited`): for `AGENT_RECONNECT_S` (their own reconnect, paho's backoff) plus a heartbeat timeout,
+  until heard from again. Meanwhile the open round does not count them as gone (their outage-time `offline`
+  drop is undone: `Collection.back_after_outage`), and the next round waits for them before it looks who is
+  available.
 - A broker that stops answering while its connection stays open (frozen: SIGSTOP, a hung host) is an outage
   too: the coordinator publishes a probe to its own topic every PROBE_EVERY_S, and when nothing at all
   (an echo, any message) has arrived for `silence_bound` while connected (BROKER_SILENT_S, plus the time the
   broker may take to send what the coordinator published since the last probe it echoed, at BROKER_MIN_BPS: a
   model sent to 10,000 agents keeps a broker busy, not frozen), the outage begins, dated from the last healthy
-  contact (`_silence`, on the probe thread); the next message ends it (`_contact`).
+  contact (`silence`, on the probe thread); the next message ends it (`contact`).
 - `wait_for_broker` logs that it is waiting, with the time so far, and raises `BrokerOutage` (a RunFailure,
   exit 1) once the outage has lasted `--broker-outage-timeout`; coordinator/field/run.py then saves the
   last finished round's checkpoint and says how to resume.
@@ -27,18 +29,16 @@ never acts on what it cannot see while disconnected:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coordinator.errors import RunFailure
 
 if TYPE_CHECKING:
-    from coordinator.field.collection import RoundState
     from coordinator.field.connection import FieldConfig
-    from coordinator.field.registry import AgentInfo
 
 log = logging.getLogger("dropfl.coordinator")
 
@@ -54,7 +54,7 @@ LOG_EVERY_S = 10.0       # while waiting for the broker, say so this often
 # more than PROBE_EVERY_S, the echo of our own probe, so that while the broker answers it is always now
 CONTACT_SLACK_S = 1.0
 # a round whose last outstanding clients went offline less than this ago does not close yet: a broker that
-# is going down may send their last wills just before it cuts the coordinator off (`_outage_ended` undoes them)
+# is going down may send their last wills just before it cuts the coordinator off (the outage's end undoes them)
 LOSS_SETTLE_S = 0.5
 
 
@@ -76,75 +76,64 @@ class BrokerOutage(RunFailure):
 
 
 class Outage:
-    """The coordinator's broker outages. Uses the hub's `cfg`, `cond`, `agents` and `is_online`
-    (registry.py), `round` (collection.py)."""
+    """The broker's health, under the hub's lock `cond`: when the broker last answered (`last_contact`), what it
+    was given to send and has not yet shown to be through (`owed_bytes`), and the outages (`down_since`, their
+    spans and time). Needs nothing of the other parts: what an outage's beginning and end mean for the agents
+    and the open round is the hub's, told through `on_began(now)` and `on_ended(now, lasted_s)`."""
 
-    cfg: FieldConfig
-    cond: threading.Condition
-    agents: dict[str, AgentInfo]
-    round: RoundState | None
-
-    def _init_outage(self) -> None:
+    def __init__(self, cfg: FieldConfig, cond: threading.Condition, on_began: Callable[[float], None],
+                 on_ended: Callable[[float, float], None]):
+        self.cfg, self.cond, self.on_began, self.on_ended = cfg, cond, on_began, on_ended
         self.down_since: float | None = None  # monotonic time the connection was lost; None: not in an outage
         self.downtime_s = 0.0                 # time spent in outages that have ended
         self.outage_spans: list[tuple[float, float]] = []  # the outages that have ended: (from, to), in order
         self.outages = 0
-        self._alive_at_outage: set[str] = set()
-        self.expected_back: set[str] = set()  # devices awaited after the last outage (`awaited`)
-        self.reconnected_at = self.back_by = 0.0
         self.last_contact = 0.0               # monotonic time the broker last delivered anything to us
         self.silent = False                   # the outage in progress began by silence, not by a disconnect
         # bytes the broker was given to send (each publish times its fan-out), not yet shown to be through by the
-        # echo of a probe published after them (`_published`, `_probe_echo`, `owed_bytes`): (time, bytes), in order
+        # echo of a probe published after them (`published`, `probe_echo`, `owed_bytes`): (time, bytes), in order
         self._owed: collections.deque[tuple[float, float]] = collections.deque()
         self._owed_sum = 0.0
 
-    # --- paho's network thread, under cond ---
-    def _outage_began(self, since: float | None = None) -> None:
+    # --- paho's network thread (or the probe thread), under cond ---
+    def began(self, since: float | None = None) -> None:
         """An outage from `since` (the last healthy contact, for a broker that stopped answering), or now."""
         if self.down_since is not None:
             return
         now = time.monotonic()
         self.down_since = now if since is None else since
         self.outages += 1
-        # alive by its heartbeats, whatever its status says: a broker going down may send last wills first
-        self._alive_at_outage = {d for d, a in self.agents.items()
-                                 if not a.mismatch and self.is_online(dataclasses.replace(a, online=True), now)}
-        self._alive_at_outage |= self.expected_back if now < self.back_by else set()  # still awaited
+        self.on_began(now)
         self.cond.notify_all()
 
-    def _outage_ended(self) -> None:
+    def disconnected(self) -> None:
+        """The connection dropped (unexpectedly): an outage, from now on an unreachable broker whatever began it."""
+        self.began()
+        self.silent = False
+
+    def ended(self) -> None:
         if self.down_since is None:
             return
         now = time.monotonic()
         self.outage_spans.append((self.down_since, now))
         lasted, self.down_since, self.silent = now - self.down_since, None, False
         self.downtime_s += lasted
-        self.reconnected_at, self.back_by = now, now + AGENT_RECONNECT_S + self.cfg.heartbeat_timeout_s
-        self.expected_back, self._alive_at_outage = self._alive_at_outage, set()
-        r = self.round
-        if r is not None and not r.closed:  # drops for `offline` around the outage: it decides them, not them
-            for d in self.expected_back:
-                a = self.agents.get(d)
-                if a is not None and r.dropped.get(a.client) == "offline" and a.client not in r.updates:
-                    del r.dropped[a.client]
-        log.info("the broker is back after %.1f s; awaiting %d agents for up to %.0f s", lasted,
-                 len(self.expected_back), self.back_by - now)
+        self.on_ended(now, lasted)
         self.cond.notify_all()
 
-    def _contact(self, now: float) -> None:
+    def contact(self, now: float) -> None:
         """The broker delivered something (a probe's echo, any message): it answers. Ends an outage that began
-        by silence; one that began by a disconnect ends with the reconnect (`_on_connect`)."""
+        by silence; one that began by a disconnect ends with the reconnect (`Connection._on_subscribe`)."""
         self.last_contact = now
         if self.silent:
-            self._outage_ended()
+            self.ended()
 
-    def _published(self, now: float, nbytes: float) -> None:
+    def published(self, now: float, nbytes: float) -> None:
         """The coordinator gave the broker `nbytes` to send (a frame times its subscribers), under cond."""
         self._owed.append((now, nbytes))
         self._owed_sum += nbytes
 
-    def _probe_echo(self, now: float, sent_at: float) -> None:
+    def probe_echo(self, now: float, sent_at: float) -> None:
         """Our probe published at `sent_at` came back: the broker has taken in everything published before it
         (it handles a client's messages in order), so that is no longer owed."""
         while self._owed and self._owed[0][0] <= sent_at:
@@ -156,7 +145,7 @@ class Outage:
         """Bytes published for the broker to send that no probe echo has shown to be through yet."""
         return self._owed_sum
 
-    def _silence(self, now: float) -> None:
+    def silence(self, now: float) -> None:
         """The probe thread, connected: nothing at all from the broker for `silence_bound` (BROKER_SILENT_S, more
         while it may still be sending what the coordinator just published), though it has its own probes to echo
         every PROBE_EVERY_S (a frozen broker, its socket still open). An outage, measured from the last healthy
@@ -167,7 +156,7 @@ class Outage:
         log.warning("the broker %s has not answered for %.1f s (its connection is open): a broker outage",
                     self.cfg.broker, now - self.last_contact)
         self.silent = True
-        self._outage_began(since=self.last_contact)
+        self.began(since=self.last_contact)
 
     # --- the loop's thread, under cond ---
     def downtime(self, now: float) -> float:
@@ -182,34 +171,6 @@ class Outage:
         if self.down_since is not None:
             spans = [*spans, (self.down_since, now)]
         return sum(overlap_s(a, b, t0, now) for a, b in spans)
-
-    def awaited(self, now: float) -> set[int]:
-        """Clients alive when the broker went away, not heard from since it came back, while they may still
-        be reconnecting (until `back_by`)."""
-        if self.down_since is not None or not self.expected_back:
-            return set()
-        if now >= self.back_by:
-            self.expected_back = set()
-            return set()
-        out = set()
-        for d in list(self.expected_back):
-            a = self.agents.get(d)
-            if a is None:
-                self.expected_back.discard(d)
-            elif a.online and a.last_heartbeat >= self.reconnected_at:  # its status or a heartbeat: back
-                self.expected_back.discard(d)
-            else:
-                out.add(a.client)
-        return out
-
-    def wait_until_settled(self, what: str) -> None:
-        """Return once connected and no agent is `awaited` any more (BrokerOutage as `wait_for_broker`)."""
-        while True:
-            self.wait_for_broker(what)
-            now = time.monotonic()
-            if not self.awaited(now):
-                return
-            self.cond.wait(timeout=max(min(self.back_by - now, 0.5), 0.01))
 
     def wait_for_broker(self, what: str) -> None:
         """Return once connected (at once if not in an outage). `what` waits meanwhile ("round 3 is

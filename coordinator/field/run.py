@@ -42,8 +42,8 @@ def run_field(cfg: config.SimConfig, fc: FieldConfig, out: str, resume: bool = F
     finished = False
     try:
         want = fc.wait_agents or cfg.data.clients
-        got = hub.wait_for_agents(want, fc.wait_timeout_s)
-        if hub.connects == 0:
+        got = hub.registry.wait_for_agents(want, fc.wait_timeout_s)
+        if hub.connection.connects == 0:
             raise UserError(f"could not connect to the broker {fc.broker} within {fc.wait_timeout_s:g} s")
         if got < want:
             raise UserError(f"only {got} of {want} agents came online within {fc.wait_timeout_s:g} s "

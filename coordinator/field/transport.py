@@ -9,7 +9,8 @@ its time comes); it re-sends the task, model and ONNX to an agent that rejoins o
 topic, and re-broadcasts what is outstanding after the coordinator reconnects. Tasks and models carry the
 model's digest (`wire.model_digest`). It then turns the updates into `ClientUpdate`s and
 writes the round's row of `field.jsonl` and a row per aggregated device in `telemetry.jsonl`. The hub
-(connection, agents, collection) is coordinator/field/hub.py. Topics and messages: docs/protocol.md.
+(its components: connection, outage, registry, collection, absence) is coordinator/field/hub.py. Topics and
+messages: docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class MqttTransport:
     def __init__(self, hub: FieldHub, model: torch.nn.Module, input_shape: tuple[int, ...], onnx_path: Path):
         self.hub, self.model, self.input_shape, self.onnx_path = hub, model, input_shape, onnx_path
         self.scans = 0  # evaluations of the closing rule, all rounds (tests read it: not one per message)
-        hub.layout = feddd.unit_layout(model)
+        hub.collection.layout = feddd.unit_layout(model)
         self.stats: dict[str, float] = {}
-        self._empty_mark = hub.empty_time(time.monotonic())  # empty-federation time counted in earlier rounds
+        self._empty_mark = hub.absence.empty_time(time.monotonic())  # empty-federation time counted in earlier rounds
         self.buffers: dict[str, torch.Tensor] = {}  # the round's global buffers (a model with BatchNorm), sent with it
         self.onnx_ok = True  # False once the model could not be exported (said once; no ONNX model is sent after)
 
@@ -97,10 +98,10 @@ class MqttTransport:
         meta = {"model": hub.binding.model} | ({} if digest is None else {"model_digest": digest})
         if self.buffers:   # the global buffers the agents start from (docs/protocol.md)
             meta["buffers"] = wire.buffers_meta(self.buffers)
-        hub.publish_frames(weights_topic, wire.encode("model", run, t, -1, w, meta, lim))
+        hub.connection.publish_frames(weights_topic, wire.encode("model", run, t, -1, w, meta, lim))
         if onnx_bytes is not None:
             onnx_t = torch.frombuffer(bytearray(onnx_bytes), dtype=torch.uint8)
-            hub.publish_frames(onnx_topic, wire.encode("onnx", run, t, -1, onnx_t, {}, lim))
+            hub.connection.publish_frames(onnx_topic, wire.encode("onnx", run, t, -1, onnx_t, {}, lim))
 
     def _buffers_of(self, client: int, meta: dict) -> dict[str, torch.Tensor] | None:
         """An update's buffers after training, where the round sent global buffers; an update without them, or with
@@ -115,7 +116,7 @@ class MqttTransport:
             return None
 
     def _publish_task(self, task: TrainTask, digest: str | None = None) -> None:
-        device = self.hub.device_of(task.client)
+        device = self.hub.registry.device_of(task.client)
         if device is None:
             return
         meta = {"lr": task.lr, "batch_size": task.batch_size, "epochs": task.epochs, "steps": task.steps,
@@ -127,7 +128,7 @@ class MqttTransport:
             meta["model_digest"] = digest
         if task.dropout_rate is not None:  # FedDD: upload 1 − D of the model, sparse (docs/protocol.md)
             meta |= {"dropout_rate": task.dropout_rate, "sparse_download": task.sparse_download}
-        self.hub.publish_frames(f"device/{device}/control", wire.encode(
+        self.hub.connection.publish_frames(f"device/{device}/control", wire.encode(
             "task", self.hub.cfg.run_id, task.round, task.client, tensor, meta, self.hub.limits))
 
     def run_round(self, t: int, w: torch.Tensor, tasks: list[TrainTask],
@@ -144,13 +145,14 @@ class MqttTransport:
             tmp = self.onnx_path.with_suffix(".onnx.tmp")
             tmp.write_bytes(onnx_bytes)
             tmp.replace(self.onnx_path)
+        coll, agents, outage, absence, conn = hub.collection, hub.registry, hub.outage, hub.absence, hub.connection
         with hub.cond:
-            hub.reasm.drop(before_round=t)
-            r = hub.round = RoundState(t, {task.client: task for task in tasks}, start, digest=wire.model_digest(w))
-            seen_connects = hub.connects
+            coll.reasm.drop(before_round=t)
+            r = coll.round = RoundState(t, {task.client: task for task in tasks}, start, digest=wire.model_digest(w))
+            seen_connects = conn.connects
             # time disconnected from the broker (outage.py) and suspended with nobody there (absence.py)
-            down = hub.downtime(start) + hub.empty_time(start)
-            outage0 = hub.downtime(start)
+            down = outage.downtime(start) + absence.empty_time(start)
+            outage0 = outage.downtime(start)
         for task in tasks:  # tasks first: an agent then trains before it evaluates the ONNX model
             self._publish_task(task, r.digest)
         self._publish_model(t, w, onnx_bytes, r.digest)
@@ -161,33 +163,33 @@ class MqttTransport:
             while True:
                 now = time.monotonic()
                 # deadlines are suspended while disconnected from the broker, or with nobody there
-                shift = hub.downtime(now) + hub.empty_time(now) - down
+                shift = outage.downtime(now) + absence.empty_time(now) - down
                 deadline, hard_end, down = deadline + shift, hard_end + shift, down + shift
-                if hub.down_since is None and now >= check_at:
+                if outage.down_since is None and now >= check_at:
                     check_at = self._check_liveness(r, now)
                 if now >= deadline:
                     r.past_deadline = True
                 v = closing.RoundView(
                     open=len(r.open), deadline=deadline, hard_end=hard_end, timeout_s=hub.cfg.heartbeat_timeout_s,
-                    settle_until=r.lost_at + LOSS_SETTLE_S, outage=hub.down_since is not None,
-                    empty=not r.updates and bool(r.offline) and hub.nobody_online(now) is not None,
+                    settle_until=r.lost_at + LOSS_SETTLE_S, outage=outage.down_since is not None,
+                    empty=not r.updates and bool(r.offline) and absence.nobody_online(now) is not None,
                     check_at=check_at,
                     uploads=tuple(p.view(c, c in r.updates, r.started) for c, p in r.progress.items() if c in r.open)
                     if now >= deadline else ())
                 d = closing.close(v, now)
                 self.scans += 1
                 if d.why == "outage":  # nobody is dropped, the round stays open
-                    hub.wait_for_broker(f"round {t} is suspended")  # BrokerOutage after --broker-outage-timeout
+                    outage.wait_for_broker(f"round {t} is suspended")  # BrokerOutage after --broker-outage-timeout
                     check_at = float("-inf")
                     continue
                 if d.why == "empty":  # everyone gone: not a result (absence.py)
-                    hub.wait_while_empty(hub.nobody_online, f"round {t} is suspended")  # EmptyFederation
+                    absence.wait_while_empty(absence.nobody_online, f"round {t} is suspended")  # EmptyFederation
                     back = set(r.offline)
                     for c in back:
                         del r.dropped[c]
                         r.gone.discard(c)
                         r.note(c)
-                    hub.await_back({dev for c in back if (dev := hub.device_of(c)) is not None}, time.monotonic())
+                    agents.await_back({dev for c in back if (dev := agents.device_of(c)) is not None}, time.monotonic())
                     r.lost_at, check_at = float("-inf"), float("-inf")
                     continue
                 if d.closed:
@@ -199,8 +201,8 @@ class MqttTransport:
                         for c in d.extended_for))
                 resend = set(r.rejoined)
                 broadcast = False
-                if hub.connects != seen_connects:  # we reconnected: re-send everything outstanding
-                    seen_connects = hub.connects
+                if conn.connects != seen_connects:  # we reconnected: re-send everything outstanding
+                    seen_connects = conn.connects
                     resend, broadcast = set(r.tasks), True
                     log.info("round %d: reconnected to the broker; re-sending the model and open tasks", t)
                 resend = {c for c in resend if not r.resolved(c)}
@@ -211,7 +213,7 @@ class MqttTransport:
                         for c in sorted(resend):
                             self._publish_task(r.tasks[c], r.digest)
                             if not broadcast:  # a rejoining agent: the model to it alone, on its control topic
-                                device = hub.device_of(c)
+                                device = agents.device_of(c)
                                 if device is not None:
                                     self._publish_model(t, w, onnx_bytes, r.digest, device=device)
                         if broadcast:
@@ -224,8 +226,8 @@ class MqttTransport:
             r.closed = True
             end = time.monotonic()
             wall_s = end - start
-            outage_s = hub.downtime(end) - outage0
-            empty_s, self._empty_mark = hub.empty_time(end) - self._empty_mark, hub.empty_time(end)
+            outage_s = outage.downtime(end) - outage0
+            empty_s, self._empty_mark = absence.empty_time(end) - self._empty_mark, absence.empty_time(end)
         r.dropped.update(closing.final_reasons(r.tasks, r.updates, r.dropped))
         updates = {}
         for task in tasks:  # the task order, as SimTransport: aggregation sums in the same order
@@ -234,7 +236,7 @@ class MqttTransport:
                 continue
             st, meta = r.stats.get(task.client, {}), m.meta
             report = client_report(meta, st, m.header.nbytes, w.numel() * 4)
-            delta, mask = update_tensors(hub.layout, m, w)
+            delta, mask = update_tensors(coll.layout, m, w)
             updates[task.client] = ClientUpdate(task.client, delta, int(meta["num_samples"]), int(meta["steps"]),
                                                 task.lr, float("nan") if meta.get("loss") is None else meta["loss"],
                                                 mask=mask, report=report, buffers=self._buffers_of(task.client, meta))
@@ -246,9 +248,9 @@ class MqttTransport:
                       "empty_federation_s": empty_s}
         self._log_round(r, updates, wall_s, export_s)
         with hub.cond:  # what the round cost each aggregated device (coordinator/field/telemetry.py)
-            rows = [telemetry.row(t, c, hub.device_of(c), r.updates[c].meta, r.stats.get(c, {}),
+            rows = [telemetry.row(t, c, agents.device_of(c), r.updates[c].meta, r.stats.get(c, {}),
                                   updates[c].report.download_bytes) for c in updates]
-        telemetry.write_rows(hub.field_log.with_name("telemetry.jsonl"), rows)
+        telemetry.write_rows(coll.field_log.with_name("telemetry.jsonl"), rows)
         dropped = {c: why for c, why in r.dropped.items() if c not in updates}
         if not updates:  # recorded (someone is still there), never silently: each drop has its reason
             log.warning("round %d: no participant: %d selected, dropped %s", t, len(tasks), ", ".join(
@@ -263,13 +265,13 @@ class MqttTransport:
         when to look again: the earliest time another open client's timeout may lapse (a message only pushes it
         later), or when an awaited client stops being awaited. O(open clients); it runs about once per heartbeat
         timeout, not per message. Under the hub's lock."""
-        hub, timeout = self.hub, self.hub.cfg.heartbeat_timeout_s
-        awaited, nxt = hub.awaited(now), float("inf")
+        agents, timeout = self.hub.registry, self.hub.cfg.heartbeat_timeout_s
+        awaited, nxt = agents.awaited(now), float("inf")
         for c in list(r.open):
-            a = hub.by_client.get(c)
+            a = agents.by_client.get(c)
             if c in awaited:
-                nxt = min(nxt, hub.back_by)
-            elif a is None or not hub.is_online(a, now):
+                nxt = min(nxt, agents.back_by)
+            elif a is None or not agents.is_online(a, now):
                 r.gone.add(c)
                 if c not in r.updates and not r.resolved(c):
                     r.dropped[c] = "offline"
@@ -309,11 +311,11 @@ class MqttTransport:
                "duplicates": r.duplicates, "rejected": r.rejected, "rejects": dict(r.rejects),
                # dropped `offline` in the round, then heard from again within it: the drop undone (collection.py)
                "offline_undone": sorted(r.offline_undone),
-               "late_total": self.hub.late, "clients": clients,
+               "late_total": self.hub.collection.late, "clients": clients,
                # every upload of the round as far as it got (chunks, tensor bytes, seconds first→latest chunk)
                "uploads": {str(c): p.row() for c, p in sorted(r.progress.items())},
                # chunks of earlier rounds' uploads that came in during this round (a stale upload's tail)
                "stale_chunks": {str(c): n for c, n in sorted(r.stale_chunks.items())}}
         with self.hub.cond:
-            row["rejects_total"] = dict(self.hub.rejects)
-            self.hub.write_log(row)
+            row["rejects_total"] = dict(self.hub.collection.rejects)
+            self.hub.collection.write_log(row)
