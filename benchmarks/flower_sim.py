@@ -1,14 +1,16 @@
-"""Flower's simulation engine (Ray) on the MimiC FMNIST workload; run by benchmarks/sim_throughput.py
-with the Python of benchmarks/.venv-flower (flwr is never a dropfl dependency).
+"""Flower's simulation engine (Ray) on a workload of benchmarks/sim_throughput.py; run by it with the Python of
+benchmarks/.venv-flower (flwr is never a dropfl dependency).
 
-Each Flower client trains the same LeNet (6/16/120/84/10) with a plain PyTorch SGD loop on its
-preloaded tensors (the Flower PyTorch tutorial's client, minus the DataLoader). FedAvg, full
-participation, 2 Ray actors × 1 CPU. The server-side strategy timestamps each round from
-configure_fit to aggregate_fit; the first round (actor start-up) is reported separately.
+Each Flower client trains the workload's model (benchmarks/workloads.py: the same layers as dropfl's) with a plain
+PyTorch SGD loop on its preloaded tensors (the Flower PyTorch tutorial's client, minus the DataLoader), sending its
+whole `state_dict` (BatchNorm's buffers too, as Flower's examples do). FedAvg; `--per-round` clients sampled per
+round (default: all), 2 Ray actors × 1 CPU. The server-side strategy timestamps each round from configure_fit to
+aggregate_fit; the first round (actor start-up) is reported separately.
 
-    .venv-flower/bin/python flower_sim.py --data DIR --steps 100 --rounds 3 --out flower.json
+    .venv-flower/bin/python flower_sim.py --data DIR --steps 100 --rounds 3 --out flower.json \
+        [--workload mimic-fmnist --batch 16 --lr 0.01 --per-round 0]
 
-DIR holds client_<i>.pt = {"x": float32 [n, 1, 28, 28], "y": int64 [n]}, one file per client, loaded
+DIR holds client_<i>.pt = {"x": float32 [n, *shape], "y": int64 [n]}, one file per client, loaded
 (memory-mapped) by the client when it trains, as a Flower client loads its partition.
 """
 
@@ -17,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,19 +32,8 @@ from flwr.server.strategy import FedAvg
 from flwr.simulation import run_simulation
 from torch import nn
 
-
-class LeNet(nn.Module):
-    """Same layers as edge_client.models.MimicCNN."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 6, 5), nn.Conv2d(6, 16, 5)
-        self.fc1, self.fc2, self.fc3 = nn.Linear(256, 120), nn.Linear(120, 84), nn.Linear(84, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x.flatten(1))))))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS, build  # noqa: E402
 
 
 def client_data(cid: int) -> dict[str, torch.Tensor]:
@@ -51,17 +44,17 @@ def client_data(cid: int) -> dict[str, torch.Tensor]:
 class Client(NumPyClient):
     def __init__(self, cid: int, steps: int, batch: int, lr: float):
         self.cid, self.steps, self.batch, self.lr = cid, steps, batch, lr
-        self.model = LeNet()
+        self.model = build(os.environ["DROPFL_FLOWER_WORKLOAD"])
 
     def get_parameters(self, config):
-        return [p.detach().numpy() for p in self.model.parameters()]
+        return [v.detach().numpy() for v in self.model.state_dict().values()]
 
     def fit(self, parameters, config):
         d = client_data(self.cid)
         x, y = d["x"], d["y"]
-        with torch.no_grad():
-            for p, a in zip(self.model.parameters(), parameters):
-                p.copy_(torch.from_numpy(a))
+        with torch.no_grad():   # (FedAvg averages num_batches_tracked as a float: copy_ casts it back)
+            for v, a in zip(self.model.state_dict().values(), parameters):
+                v.copy_(torch.from_numpy(np.asarray(a)))
         opt = torch.optim.SGD(self.model.parameters(), lr=self.lr)
         g = torch.Generator().manual_seed(self.cid)
         perm, pos = torch.randperm(len(y), generator=g), 0
@@ -78,7 +71,8 @@ class Client(NumPyClient):
 
 def client_fn(context: Context):
     cid = int(context.node_config["partition-id"])
-    return Client(cid, int(os.environ["DROPFL_FLOWER_STEPS"]), 16, 0.01).to_client()
+    return Client(cid, int(os.environ["DROPFL_FLOWER_STEPS"]), int(os.environ["DROPFL_FLOWER_BATCH"]),
+                  float(os.environ["DROPFL_FLOWER_LR"])).to_client()
 
 
 class TimedFedAvg(FedAvg):
@@ -104,11 +98,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--workload", default="mimic-fmnist", choices=list(WORKLOADS))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--per-round", type=int, default=0, help="clients sampled per round (0: all)")
     args = ap.parse_args()
     os.environ["DROPFL_FLOWER_DATA"], os.environ["DROPFL_FLOWER_STEPS"] = args.data, str(args.steps)
+    os.environ["DROPFL_FLOWER_WORKLOAD"], os.environ["DROPFL_FLOWER_BATCH"] = args.workload, str(args.batch)
+    os.environ["DROPFL_FLOWER_LR"] = str(args.lr)
     n = len([f for f in os.listdir(args.data) if f.startswith("client_")])
-    init = ndarrays_to_parameters([p.detach().numpy() for p in LeNet().parameters()])
-    strategy = TimedFedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_available_clients=n,
+    k = args.per_round or n
+    init = ndarrays_to_parameters([v.detach().numpy() for v in build(args.workload).state_dict().values()])
+    strategy = TimedFedAvg(fraction_fit=k / n, fraction_evaluate=0.0, min_fit_clients=k, min_available_clients=n,
                            initial_parameters=init)
 
     def server_fn(context: Context) -> ServerAppComponents:
@@ -120,10 +121,11 @@ def main() -> None:
                                    "init_args": {"num_cpus": args.actors, "include_dashboard": False}})
     total = time.perf_counter() - start
     rounds = [{k: v for k, v in r.items() if k != "start"} for r in strategy.rounds]
-    later = [r["seconds"] for r in rounds[1:] if r.get("results") == n] or [r["seconds"] for r in rounds]
-    steps_per_s = [n * args.steps / s for s in later]
+    later = [r["seconds"] for r in rounds[1:] if r.get("results") == k] or [r["seconds"] for r in rounds]
+    steps_per_s = [k * args.steps / s for s in later]
     with open(args.out, "w") as f:
-        json.dump({"clients": n, "steps": args.steps, "rounds": rounds, "total_seconds": total,
+        json.dump({"workload": args.workload, "clients": n, "clients_per_round": k, "batch": args.batch,
+                   "steps": args.steps, "rounds": rounds, "total_seconds": total,
                    "client_steps_per_s": float(np.median(steps_per_s)), "per_round": steps_per_s}, f, indent=1)
 
 
