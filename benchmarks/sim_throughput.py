@@ -513,35 +513,42 @@ def workloads_markdown(o: dict) -> str:
     f = lambda v, fmt: "" if v is None else format(v, fmt)   # noqa: E731
     lines = ["# The engine's benchmark of record: three workloads side by side (benchmarks/sim_throughput.py)", "",
              f"`{s['command']}`", "",
-             f"CPU: {m['cpu']} ({m['isa']}), {m['cpus']} CPUs, {m['threads']} torch threads; torch {m['torch']}, "
+             f"CPU: {m['cpu']} ({m['isa']}), {m['cpus']} CPUs, {m['threads']} torch thread(s) in this process; "
+             f"torch {m['torch']}, "
              f"Python {m['python']}. 1-min load average {m['load_avg_before'][0]:.2f} before, "
              f"{m['load_avg_after'][0]:.2f} after (a shared machine). Measured {s['date']}, "
              f"{s['seconds'] / 60:.1f} min in all.", "",
              f"Statistic: {s['statistic']}. {s['repeats']} repeats; Flower and pfl: {s['flower_runs']} and "
              f"{s['pfl_runs']} runs of {s['framework_rounds']} rounds each. Flower: {s['flower_status']}. "
-             f"pfl: {s['pfl_status']}.", ""]
+             f"pfl: {s['pfl_status']}.", "",
+             f"Cores each engine uses: loop, generic and generic_sliced run in this process on {m['threads']} torch "
+             "thread(s); native and torch_ops in 2 worker processes of 1 thread; Flower in 2 Ray actors of 1 CPU; "
+             "pfl in one process. So × Flower compares engines that may use different numbers of cores.", ""]
     for name, r in o["workloads"].items():
         u = r["setup"]
         loads = [v for _, v in r["load_avg_1min_at_each_measurement"]]
+        one = "loop_1t" in r["rates"]   # the 1-thread loop's column, where it was measured
         lines += [f"## {name}", "",
                   f"{u['clients']:,} clients × {u['samples']} samples ({u['data']}, input {u['input']}), "
                   f"{u['clients_per_round']} per round, batch {u['batch']}, {u['steps']} local steps, lr {u['lr']}; "
                   f"{u['parameters']:,} parameters, {u['flops_per_step'] / 1e6:.1f} MFLOP per step (FlopCounterMode), "
                   f"peak {u['peak_flops'] / 1e9:.0f} GFLOP/s (2048² fp32 matmul). Load "
                   f"{min(loads, default=0):.2f}–{max(loads, default=0):.2f}.", "",
-                  "| engine | what ran | client-steps/s | × loop | × loop_1t | × Flower | × pfl | of FLOP bound |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| engine | what ran | client-steps/s | × loop |" + (" × loop_1t |" if one else "")
+                  + " × Flower | × pfl | of FLOP bound |",
+                  "|---|---|---:|---:|" + ("---:|" if one else "") + "---:|---:|---:|"]
         for e, row in r["rates"].items():
             v = row["client_steps_per_s"]
             what = r["engines"].get(e, e)
             if v is None:
                 why = r["failed"].get(e, "").splitlines()[0] if e in r["failed"] else "not measured"
-                lines.append(f"| {e} | {what} | {why} | | | | | |")
+                lines.append(f"| {e} | {what} | {why} | |" + (" |" if one else "") + " | | |")
                 continue
-            lines.append(f"| {e} | `{what}` | {v:,.1f} | {f(row['x_loop'], '.2f')} | {f(row['x_loop_1t'], '.2f')} | "
-                         f"{f(row['x_flower'], '.2f')} | {f(row['x_pfl'], '.2f')} | {row['of_flop_bound']:.1%} |")
-        lines.append(f"| bound | FLOP bound (the matmul on {o['machine']['cpus']} threads) | {r['bound']:,.1f} "
-                     "| | | | | 100% |")
+            lines.append(f"| {e} | `{what}` | {v:,.1f} | {f(row['x_loop'], '.2f')} | "
+                         + (f"{f(row['x_loop_1t'], '.2f')} | " if one else "")
+                         + f"{f(row['x_flower'], '.2f')} | {f(row['x_pfl'], '.2f')} | {row['of_flop_bound']:.1%} |")
+        lines.append(f"| bound | FLOP bound (the matmul on {o['machine']['cpus']} threads) | {r['bound']:,.1f} | |"
+                     + (" |" if one else "") + " | | 100% |")
         p = r.get("profile_generic")
         if p:
             lines += ["", f"Where the generic engine's time goes (torch.profiler, one round of {p['client_steps']} "
