@@ -89,7 +89,7 @@ def worker(args) -> int:
         t.start()
     for t in threads:
         t.join()
-    counts = {a.client_idx: a.rounds_trained for a in agents}
+    counts = {a.client_idx: a.work.rounds_trained for a in agents}
     Path(args.out, f"uploads-{args.first}.json").write_text(json.dumps(counts))
     return 0
 

@@ -123,14 +123,15 @@ def _agent_update(tmp_path, monkeypatch, device: str, model: str, task: dict, w:
                                "battery": {"source": "mains"}, "data": {"clients": 4, "seed": 2},
                                "model": {"model": model}})
     a = ag.Agent(cfg)
-    assert a.device.type == device and a.x.device.type == device and next(a.model.parameters()).device.type == device
+    assert a.device.type == device and a.work.x.device.type == device \
+        and next(a.work.model.parameters()).device.type == device
     sent: list[tuple[str, bytes]] = []
-    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
+    monkeypatch.setattr(a.link.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
                         sent.append((topic, payload)) or _Published())
     a.connected.set()
     for f in wire.encode("task", "run", 1, 1, meta=task) + wire.encode("model", "run", 1, -1, w):
         a._handle("dropfl/v1/device/client-1/control", f, False, 0.0)
-    a._work()
+    a.work.step()
     delta = [p for t, p in sent if t.endswith("/update/delta")]
     assert delta, [t for t, _ in sent]
     return wire.decode(delta)

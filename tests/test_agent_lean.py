@@ -62,7 +62,7 @@ def _drain(a):
     """The agent's main loop (Agent.run) without the broker: handle each queued message, then work."""
     while not a.inbox.empty():
         a._handle(*a.inbox.get())
-        a._work()
+        a.work.step()
 
 
 def test_a_slow_evaluation_never_delays_the_next_task(tmp_path, monkeypatch):
@@ -73,7 +73,7 @@ def test_a_slow_evaluation_never_delays_the_next_task(tmp_path, monkeypatch):
     w = get_flat(model)
     task = {"lr": 0.1, "batch_size": 8, "steps": 2, "seed": 2}
     events = []
-    eval_batch, train = a._eval_batch, a._train_and_upload
+    eval_batch, train = a.work._eval_batch, a.work._train_and_upload
 
     def slow_eval_batch(*args):
         events.append("eval-batch")
@@ -86,19 +86,19 @@ def test_a_slow_evaluation_never_delays_the_next_task(tmp_path, monkeypatch):
         events.append(f"train-{t.round}")
         return train(run, t, *args, **kw)
 
-    monkeypatch.setattr(a, "_eval_batch", slow_eval_batch)
-    monkeypatch.setattr(a, "_train_and_upload", recording_train)
+    monkeypatch.setattr(a.work, "_eval_batch", slow_eval_batch)
+    monkeypatch.setattr(a.work, "_train_and_upload", recording_train)
     for f in _onnx(model, w, 0):  # round 0's global model to evaluate, the agent idle
         a.inbox.put(("dropfl/v1/model/onnx", f, False, 0.0))
     _drain(a)
-    n_batches = -(-len(a.test_y) // 100)
+    n_batches = -(-len(a.work.test_y) // 100)
     assert events[:2] == ["eval-batch", "train-1"]  # trains right after the batch in progress
     assert events.count("eval-batch") == n_batches and "train-1" not in events[2:]  # then the evaluation resumes
     topics = [t.rsplit("/", 1)[1] for t, _ in sent]
     runs = [x for i, x in enumerate(topics) if i == 0 or x != topics[i - 1]]   # an update's chunks: one run
     assert runs == ["delta", "stats", "eval"]  # round 1's update went out before round 0's accuracy
     m = wire.decode([sent[topics.index("eval")][1]])
-    assert m.header.round == 0 and m.meta["samples"] == len(a.test_y)
+    assert m.header.round == 0 and m.meta["samples"] == len(a.work.test_y)
 
 
 def test_evaluation_every_k_and_skipped_when_the_next_model_comes_first(tmp_path, monkeypatch):
@@ -110,15 +110,15 @@ def test_evaluation_every_k_and_skipped_when_the_next_model_comes_first(tmp_path
     for rnd in (0, 1, 2, 3):
         for f in _onnx(model, w, rnd):
             a._handle("dropfl/v1/model/onnx", f, False, 0.0)
-        a._work()
+        a.work.step()
     assert [wire.decode([p]).header.round for _, p in sent] == [0, 2]  # rounds 1 and 3: not a multiple of 2
 
     b, sent = _agent(tmp_path / "b", monkeypatch)
     seen = []
-    monkeypatch.setattr(b, "_eval_batch", lambda *args: seen.append(1) or 0)
+    monkeypatch.setattr(b.work, "_eval_batch", lambda *args: seen.append(1) or 0)
     for f in _onnx(model, w, 0):
         b.inbox.put(("dropfl/v1/model/onnx", f, False, 0.0))
     for f in _onnx(model, w, 1):  # round 1's model queued behind round 0's: round 0 is still being evaluated
         b.inbox.put(("dropfl/v1/model/onnx", f, False, 0.0))
     _drain(b)
-    assert [wire.decode([p]).header.round for _, p in sent] == [1] and b.evals_skipped == 1
+    assert [wire.decode([p]).header.round for _, p in sent] == [1] and b.work.evals_skipped == 1

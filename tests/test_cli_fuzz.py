@@ -488,9 +488,9 @@ def no_network(monkeypatch):
 
     def agent_run(self):  # what Agent.run does before it waits on the broker
         try:
-            self.mqtt.connect_async(*self.brokers.address, keepalive=self.cfg.agent.keepalive_s)
+            self.link.mqtt.connect_async(*self.link.brokers.address, keepalive=self.cfg.agent.keepalive_s)
         finally:
-            self._trace_file.close()
+            self.heartbeat._trace_file.close()
 
     monkeypatch.setattr(coord_cli, "run_field", field_stub)
     monkeypatch.setattr(trial_cli, "run_trial", trial_stub)

@@ -108,7 +108,7 @@ def offline_agent(tmp_path, monkeypatch, battery: dict | None = None, agent: dic
                               | sections)
     a = ag.Agent(cfg)
     sent: list[tuple[str, bytes]] = []
-    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
+    monkeypatch.setattr(a.link.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
                         sent.append((topic, payload)) or Published())
     a.connected.set()
     return a, sent
@@ -117,7 +117,7 @@ def offline_agent(tmp_path, monkeypatch, battery: dict | None = None, agent: dic
 def deliver(a, topic, frames):
     for f in frames:
         a._handle(topic, f, False, 0.0)
-    a._work()
+    a.work.step()
 
 
 def test_agent_trains_exactly_like_the_simulation_and_resends_its_cached_update(tmp_path, monkeypatch):
@@ -139,13 +139,13 @@ def test_agent_trains_exactly_like_the_simulation_and_resends_its_cached_update(
     assert topics == ["delta"] * k + ["stats", "eval"] and k == -(-7850 * 4 // 8192)  # logreg: 4 chunks
     frames = [p for _, p in sent[:k]]
     up = wire.decode(frames, run="run", round=5, client=1, kinds=("update",))
-    ref = local_train(build_model("logreg", (1, 28, 28), 10, 0), w, a.x, a.y,
+    ref = local_train(build_model("logreg", (1, 28, 28), 10, 0), w, a.work.x, a.work.y,
                       TrainTask(client=1, round=5, lr=0.1, batch_size=8, epochs=1, steps=3, seed=2))
-    assert torch.equal(up.tensor, ref.delta) and up.meta["steps"] == 3 and up.meta["num_samples"] == len(a.y)
+    assert torch.equal(up.tensor, ref.delta) and up.meta["steps"] == 3 and up.meta["num_samples"] == len(a.work.y)
     acc = wire.decode([sent[k + 1][1]]).meta["accuracy"]
-    assert acc == pytest.approx(evaluate(model, w, torch.from_numpy(a.test_x), torch.from_numpy(a.test_y))[0])
+    assert acc == pytest.approx(evaluate(model, w, torch.from_numpy(a.work.test_x), torch.from_numpy(a.work.test_y))[0])
     deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 5, 1, meta=task))  # asked again
-    assert [p for _, p in sent[k + 2:2 * k + 2]] == frames and a.rounds_trained == 1  # the same bytes, no training
+    assert [p for _, p in sent[k + 2:2 * k + 2]] == frames and a.work.rounds_trained == 1  # the same bytes, no training
 
 
 def test_agent_declines_with_its_policy_reason_and_rejects_anothers_task(tmp_path, monkeypatch):
@@ -164,4 +164,4 @@ def test_agent_survives_malformed_tasks_models_and_onnx(tmp_path, monkeypatch):
     deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 0, 1, meta={"lr": "fast"}))
     deliver(a, "dropfl/v1/model/weights", wire.encode("model", "run", 0, -1, torch.zeros(3)))
     deliver(a, "dropfl/v1/model/onnx", wire.encode("onnx", "run", 0, -1, torch.zeros(5, dtype=torch.uint8)))
-    assert a.task is None and a.weights is None and sent == [] and a.evaluated == ("run", 0)
+    assert a.work.task is None and a.work.weights is None and sent == [] and a.work.evaluated == ("run", 0)

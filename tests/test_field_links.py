@@ -157,11 +157,11 @@ def test_a_skewed_agent_clock_gives_the_same_feddd_inputs(tmp_path, monkeypatch,
     monkeypatch.setattr(time, "time", lambda: real() + skew_s)    # the agent's wall clock is off
     for topic, frames in (("dropfl/v1/device/client-1/control", task), ("dropfl/v1/model/weights", model)):
         for f in frames:
-            a._on_message(None, None, Msg(topic, f))
+            a.link._on_message(None, None, Msg(topic, f))
             time.sleep(0.01)                                         # a link: 10 ms per frame
     while not a.inbox.empty():
         a._handle(*a.inbox.get())
-        a._work()
+        a.work.step()
     up, stats = (wire.decode([p for t, p in sent if t.endswith(sub)]) for sub in ("/update/delta", "/update/stats"))
     assert abs(up.header.sent_at - real() - skew_s) < 60          # the skew is real on this agent
     report = client_report(up.meta, stats.meta, up.header.nbytes, w.numel() * 4)
@@ -312,9 +312,9 @@ def test_the_agents_resend_cache_is_keyed_by_run_round_and_model(tmp_path, monke
     assert [p for t, p in sent if t.endswith("/delta")] == first  # nor trained on the old model it holds
     deliver(a, "dropfl/v1/model/weights", wire.encode("model", "run", 5, -1, wb))
     second = [p for t, p in sent if t.endswith("/delta")][len(first):]
-    assert wire.decode(second).meta["model_digest"] == wire.model_digest(wb) and a.rounds_trained == 2
+    assert wire.decode(second).meta["model_digest"] == wire.model_digest(wb) and a.work.rounds_trained == 2
     deliver(a, control, wire.encode("task", "run", 5, 1, meta=task | {"model_digest": wire.model_digest(wb)}))
-    assert [p for t, p in sent if t.endswith("/delta")][-len(second):] == second and a.rounds_trained == 2
+    assert [p for t, p in sent if t.endswith("/delta")][-len(second):] == second and a.work.rounds_trained == 2
 
 
 class Capture:

@@ -41,7 +41,7 @@ class InFlight:
 
     def wait_for_publish(self, timeout=None):
         while self.arrives:
-            self.agent._on_message(None, None, Msg(CONTROL, self.arrives.pop(0)))
+            self.agent.link._on_message(None, None, Msg(CONTROL, self.arrives.pop(0)))
 
     def is_published(self):
         return False
@@ -60,10 +60,10 @@ def round_5(a, w):
     for topic, frames in ((CONTROL, wire.encode("task", "run", 5, 1, meta=TASK)),
                           ("dropfl/v1/model/weights", wire.encode("model", "run", 5, -1, w))):
         for f in frames:
-            a._on_message(None, None, Msg(topic, f))
+            a.link._on_message(None, None, Msg(topic, f))
     while not a.inbox.empty():
         a._handle(*a.inbox.get())
-        a._work()
+        a.work.step()
 
 
 def test_the_first_upload_goes_in_small_chunks_and_later_ones_follow_the_measured_rate(tmp_path, monkeypatch):
@@ -71,13 +71,13 @@ def test_the_first_upload_goes_in_small_chunks_and_later_ones_follow_the_measure
     that heartbeats would queue behind; the next upload's chunks take heartbeat_s at the measured rate."""
     a, sent = offline_agent(tmp_path, monkeypatch, agent={"heartbeat_s": 0.5})
     assert a.cfg.agent.chunk_bytes == 256 * 1024 and a.cfg.agent.first_chunk_bytes == 8 * 1024
-    assert a._upload_limits().chunk_bytes == 8 * 1024
+    assert a.work._upload_limits().chunk_bytes == 8 * 1024
     a.rates["uplink_Bps"] = 8000.0               # an 8 kB/s uplink, measured on the last upload
-    assert a._upload_limits().chunk_bytes == 4096
+    assert a.work._upload_limits().chunk_bytes == 4096
     a.rates["uplink_Bps"] = 40000.0
-    assert a._upload_limits().chunk_bytes == 20000
+    assert a.work._upload_limits().chunk_bytes == 20000
     a.rates["uplink_Bps"] = 1e9                  # never above chunk_bytes
-    assert a._upload_limits().chunk_bytes == 256 * 1024
+    assert a.work._upload_limits().chunk_bytes == 256 * 1024
 
 
 def test_a_newer_rounds_task_stops_the_upload_in_progress_and_the_new_round_trains(tmp_path, monkeypatch):
@@ -86,27 +86,27 @@ def test_a_newer_rounds_task_stops_the_upload_in_progress_and_the_new_round_trai
     a, sent = offline_agent(tmp_path, monkeypatch, agent={"first_chunk_bytes": 1024})
     w = get_flat(build_model("logreg", (1, 28, 28), 10, 2))
     task6 = wire.encode("task", "run", 6, 1, meta=TASK)
-    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
+    monkeypatch.setattr(a.link.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
                         sent.append((topic, payload)) or InFlight(a, task6))
     round_5(a, w)
     deltas = [wire.decode_frame(p)[0] for t, p in sent if t.endswith("/update/delta")]
     assert [h.round for h in deltas] == [5, 5] and deltas[0].chunks == 31  # the window, of 31 chunks
     assert not any(t.endswith("/update/stats") for t, _ in sent)
-    assert a.uploads_abandoned == 1 and a.superseded("run", 5) == ("run", 6)
-    assert a.superseded("run", 6) is None
+    assert a.link.uploads_abandoned == 1 and a.link.superseded("run", 5) == ("run", 6)
+    assert a.link.superseded("run", 6) is None
     sent.clear()
-    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
+    monkeypatch.setattr(a.link.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
                         sent.append((topic, payload)) or Acked())
     model6 = wire.encode("model", "run", 6, -1, w + 0.01)
     for f in model6:
-        a._on_message(None, None, Msg("dropfl/v1/model/weights", f))
+        a.link._on_message(None, None, Msg("dropfl/v1/model/weights", f))
     while not a.inbox.empty():
         a._handle(*a.inbox.get())
-        a._work()
+        a.work.step()
     up = wire.decode([p for t, p in sent if t.endswith("/update/delta")], run="run", round=6, client=1)
     assert up.meta["model_digest"] == wire.model_digest(w + 0.01)
     assert [wire.decode([p]).header.round for t, p in sent if t.endswith("/update/stats")] == [6]
-    assert a.uploads_abandoned == 1 and a.rounds_trained == 2
+    assert a.link.uploads_abandoned == 1 and a.work.rounds_trained == 2
 
 
 def test_a_task_whose_round_is_already_over_is_not_trained(tmp_path, monkeypatch):
@@ -118,13 +118,13 @@ def test_a_task_whose_round_is_already_over_is_not_trained(tmp_path, monkeypatch
     frames += [("dropfl/v1/model/weights", f) for f in wire.encode("model", "run", 5, -1, w)]
     frames += [("dropfl/v1/model/weights", f) for f in wire.encode("model", "run", 6, -1, w)]
     for topic, f in frames:
-        a._on_message(None, None, Msg(topic, f))
+        a.link._on_message(None, None, Msg(topic, f))
     while not a.inbox.empty():
         a._handle(*a.inbox.get())
-        a._work()
-    assert sent == [] and a.tasks_skipped == 1 and a.rounds_trained == 0
-    a._on_message(None, None, Msg(CONTROL, wire.encode("task", "run", 3, 1, meta=TASK)[0]))
-    assert a.superseded("run", 6) == ("run", 3) and a.superseded("run", 3) is None
+        a.work.step()
+    assert sent == [] and a.work.tasks_skipped == 1 and a.work.rounds_trained == 0
+    a.link._on_message(None, None, Msg(CONTROL, wire.encode("task", "run", 3, 1, meta=TASK)[0]))
+    assert a.link.superseded("run", 6) == ("run", 3) and a.link.superseded("run", 3) is None
 
 
 def test_the_coordinator_counts_a_stale_uploads_chunks_in_the_round_they_arrive(tmp_path):

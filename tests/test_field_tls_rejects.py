@@ -44,26 +44,30 @@ ROUNDS = 4
 ROGUE = 2
 
 
-class RogueAgent(Agent):
+def rogue_agent(cfg) -> Agent:
     """A provisioned device that trains honestly in round 0 and afterwards publishes crafted updates on
-    its own update topic (the broker's ACL lets it: they are its topics)."""
+    its own update topic (the broker's ACL lets it: they are its topics): its work's training is replaced."""
+    agent = Agent(cfg)
+    work, honest = agent.work, agent.work._train_and_upload
 
-    def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float,
-                          wait_s: float = 0.0) -> None:
+    def train_and_upload(run: str, task: TrainTask, w: torch.Tensor, download_s: float, wait_s: float = 0.0) -> None:
         t = task.round
         if t == 0:
-            super()._train_and_upload(run, task, w, download_s, wait_s)
+            honest(run, task, w, download_s, wait_s)
             return
-        n, meta = w.numel(), {"num_samples": len(self.y), "steps": 2}
+        n, meta = w.numel(), {"num_samples": len(work.y), "steps": 2}
         if t == 1:
-            assert self.cache is not None and self.cache[1] == 0
-            self._publish("update/delta", self.cache[3])  # round 0's update again (cache: run, round, digest, frames)
+            assert work.cache is not None and work.cache[1] == 0
+            work.link.publish("update/delta", work.cache[3])  # round 0's update again (the cache's frames)
             bad = torch.full((n,), float("nan"))
         elif t == 2:
             bad = torch.zeros(10, n // 10)                  # the model's size, not its shape
         else:
             bad = torch.zeros(8 * n)                        # larger than any update of this model
-        self._publish("update/delta", wire.encode("update", run, t, self.client_idx, bad, meta, self.limits))
+        work.link.publish("update/delta", wire.encode("update", run, t, work.client_idx, bad, meta, work.limits))
+
+    work._train_and_upload = train_and_upload
+    return agent
 
 
 def free_port() -> int:
@@ -87,7 +91,7 @@ def test_replayed_nan_wrong_shape_and_oversized_updates_are_rejected_and_rounds_
         try:
             for i in (0, 1):
                 procs.append(start_agent(config(i), agents_dir / f"client-{i}.log"))
-            rogue = RogueAgent(config_from_dict(json.loads(config(ROGUE).read_text())))
+            rogue = rogue_agent(config_from_dict(json.loads(config(ROGUE).read_text())))
             thread = threading.Thread(target=rogue.run, name="rogue", daemon=True)
             thread.start()
             cmd = coordinator_cmd(broker.url, out, ROUNDS, "fedavg", "--broker-config", str(broker.coordinator_json))

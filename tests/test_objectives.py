@@ -248,7 +248,7 @@ def _agent(tmp_path, monkeypatch):
                                "data": {"clients": 4, "partition": "iid", "seed": 2}, "model": {"model": "logreg"}})
     a = ag.Agent(cfg)
     sent: list[tuple[str, bytes]] = []
-    monkeypatch.setattr(a.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
+    monkeypatch.setattr(a.link.mqtt, "publish", lambda topic, payload, qos=0, retain=False:
                         sent.append((topic, payload)) or _Published())
     a.connected.set()
     return a, sent
@@ -257,7 +257,7 @@ def _agent(tmp_path, monkeypatch):
 def _deliver(a, topic, frames):
     for f in frames:
         a._handle(topic, f, False, 0.0)
-    a._work()
+    a.work.step()
 
 
 def _task_frames(task: TrainTask, name: str | None = None):
@@ -273,7 +273,7 @@ def _task_frames(task: TrainTask, name: str | None = None):
 def test_an_agent_declines_an_objective_it_does_not_have_and_never_imports_a_module_a_message_names(
         plugin, tmp_path, monkeypatch):
     a, sent = _agent(tmp_path, monkeypatch)
-    n = sum(p.numel() for p in a.model.parameters())
+    n = sum(p.numel() for p in a.work.model.parameters())
     dyn = OBJECTIVES[f"{MOD}:FedDynTerm"]
     task = TrainTask(client=1, round=4, lr=0.1, batch_size=8, steps=2, seed=2,
                      objectives=(dyn(0.1, torch.full((n,), 0.01)),))
@@ -282,7 +282,7 @@ def test_an_agent_declines_an_objective_it_does_not_have_and_never_imports_a_mod
         _deliver(a, "dropfl/v1/device/client-1/control", _task_frames(task, name))
         (topic, payload), = sent
         m = wire.decode([payload])
-        assert topic.endswith("/update/decline") and m.meta["reason"] == "declined" and a.task is None
+        assert topic.endswith("/update/decline") and m.meta["reason"] == "declined" and a.work.task is None
         assert f"local objective {name!r}: not installed on this device" in m.meta["detail"]
     assert TRAP not in sys.modules
 
@@ -297,17 +297,17 @@ def test_an_agent_declines_an_objective_whose_code_differs_from_the_coordinators
     _deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 4, 1, tensor, m))
     (topic, payload), = sent
     d = wire.decode([payload])
-    assert topic.endswith("/update/decline") and d.meta["reason"] == "declined" and a.task is None
+    assert topic.endswith("/update/decline") and d.meta["reason"] == "declined" and a.work.task is None
     assert d.meta["detail"] == (f"local objective 'proximal': differs from the coordinator's (on this device: dropfl "
                                 f"{dropfl_version()}; on the coordinator: dropfl 0.0.1): install dropfl 0.0.1 on the "
                                 f"device")
     meta[0]["plugin"] = {"dist": "dropfl"}   # malformed: refused as a malformed task, never trained
     sent.clear()
     _deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 4, 1, tensor, m))
-    assert sent == [] and a.task is None
+    assert sent == [] and a.work.task is None
     del meta[0]["plugin"]   # an older coordinator's task names no identity: trained as before
     _deliver(a, "dropfl/v1/device/client-1/control", wire.encode("task", "run", 4, 1, tensor, m))
-    assert a.task is not None and a.task[1].objectives == (Proximal(0.1),)
+    assert a.work.task is not None and a.work.task[1].objectives == (Proximal(0.1),)
 
 
 def test_an_agent_with_the_plugin_installed_trains_it_as_the_simulation(plugin, tmp_path, monkeypatch):
@@ -326,8 +326,8 @@ def test_an_agent_with_the_plugin_installed_trains_it_as_the_simulation(plugin, 
         bytearray(export_onnx(model, w, (1, 28, 28))), dtype=torch.uint8)))
     k = [t.rsplit("/", 1)[1] for t, _ in sent].count("delta")
     up = wire.decode([p for _, p in sent[:k]], run="run", round=5, client=1, kinds=("update",))
-    ref = local_train(build_model("logreg", (1, 28, 28), 10, 0), w, a.x, a.y, task)
-    plain = local_train(build_model("logreg", (1, 28, 28), 10, 0), w, a.x, a.y,
+    ref = local_train(build_model("logreg", (1, 28, 28), 10, 0), w, a.work.x, a.work.y, task)
+    plain = local_train(build_model("logreg", (1, 28, 28), 10, 0), w, a.work.x, a.work.y,
                         dataclasses.replace(task, objectives=()))
     assert torch.equal(up.tensor, ref.delta) and not torch.equal(ref.delta, plain.delta)
 

@@ -277,16 +277,16 @@ def test_a_hot_agent_declines_with_reason_thermal_and_says_so_in_its_heartbeat(t
     thermal(tmp_path, [88000])
     a, sent = offline_agent(tmp_path, monkeypatch, policy={"thermal_limit_c": 85},
                             telemetry={"sysfs_root": str(tmp_path), "vcgencmd": ""})
-    a.heartbeat()
+    a.heartbeat.beat()
     a._handle("dropfl/v1/device/client-1/control", wire.encode("task", "run", 0, 1, meta=TASK)[0], False, 0.0)
     hb, decline = (wire.decode([p]) for _, p in sent)
     assert hb.meta["available"] is False and hb.meta["reason"] == "thermal" and hb.meta["temp_c"] == 88.0
     assert decline.kind == "decline" and decline.meta == {"reason": "thermal"}
-    a._trace_file.flush()
+    a.heartbeat._trace_file.flush()
     row = (tmp_path / "out" / "trace.csv").read_text().splitlines()
     assert row[0].endswith(",temp_c") and row[1].endswith(",88.0")
     put(tmp_path, "sys/class/thermal/thermal_zone0/temp", "60000")  # cooled down: trains again
-    assert a.policy_reason() is None
+    assert a.heartbeat.policy_reason() is None
 
 
 def test_the_agent_sends_its_round_telemetry_with_the_stats(tmp_path, monkeypatch):
@@ -296,7 +296,7 @@ def test_the_agent_sends_its_round_telemetry_with_the_stats(tmp_path, monkeypatc
     w = get_flat(build_model("logreg", (1, 28, 28), 10, 2))
     for f in wire.encode("task", "run", 0, 1, meta=TASK) + wire.encode("model", "run", 0, -1, w):
         a._handle("dropfl/v1/device/client-1/control", f, False, 0.0)
-    a._work()
+    a.work.step()
     stats = wire.decode([p for t, p in sent if t.endswith("/stats")])
     tel = stats.meta["telemetry"]
     assert tel["energy_source"] == "modelled" and tel["battery_before_pct"] is None
@@ -422,6 +422,6 @@ def test_a_replayed_device_trace_drives_the_thermal_policy_too(tmp_path, monkeyp
     a, sent = offline_agent(tmp_path, monkeypatch, policy={"thermal_limit_c": 85},
                             battery={"source": "trace", "trace": str(trace)},
                             telemetry={"sysfs_root": str(tmp_path), "vcgencmd": ""})
-    assert a.policy_reason() == "thermal"
-    a.heartbeat()
+    assert a.heartbeat.policy_reason() == "thermal"
+    a.heartbeat.beat()
     assert wire.decode([sent[0][1]]).meta["temp_c"] == 95.0

@@ -18,11 +18,14 @@ The parts:
     config.py     the config file (sections, loading), broker URL, TOPIC_ROOT, AgentError, the logger
     data.py       the data binding and this client's shard
     device.py     where it trains (`[agent] device` / `--device auto|cpu|cuda`), deterministic CUDA
-    link.py       MQTT plumbing: client, status, callbacks into the inbox, publishing an update
-    heartbeat.py  availability: policy verdict, heartbeat thread, trace.csv
-    work.py       the work: handling messages, tasks, training and upload (FedDD too), evaluation
+    heartbeat.py  `Heartbeat`: the clock, the policy's verdict, the heartbeat thread, trace.csv
+    link.py       `Link`: the paho client, status, callbacks into the inbox, publishing an update, which round
+                  is the newest; `Incoming`: reassembly of the inbox's frames
+    work.py       `Work`: the model and shard; tasks, training and upload (FedDD too), evaluation
+    reconnect.py  backoff with jitter and fresh client ids (the link's)
     cli.py        `dropfl client` / `python -m edge_client.agent`
-This file holds the `Agent` (its state, and its life cycle: start, run, stop, shutdown) and `run_agent`.
+This file holds the `Agent` (it composes the components and routes the inbox; its life cycle: start, run,
+stop, shutdown) and `run_agent`.
 """
 
 from __future__ import annotations
@@ -31,12 +34,11 @@ import logging
 import queue
 import signal
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from edge_client import feddd, logs, wire
+from edge_client import logs, wire
 from edge_client.agent.cli import add_parser, main
 from edge_client.agent.config import (
     TOPIC_ROOT,
@@ -53,88 +55,103 @@ from edge_client.agent.config import (
     who,
 )
 from edge_client.agent.data import binding_of, load_shard
-from edge_client.agent.device import describe, place
+from edge_client.agent.device import describe
 from edge_client.agent.device import resolve as resolve_device
 from edge_client.agent.heartbeat import TRACE_FIELDS, Heartbeat
-from edge_client.agent.link import Link
+from edge_client.agent.link import Incoming, Link
 from edge_client.agent.work import Work
 from edge_client.battery import BatteryError, make_battery
 from edge_client.models import build_model
-from edge_client.telemetry import RoundRecord, Telemetry
-from edge_client.trainer import TrainTask
+from edge_client.telemetry import Telemetry
 
 __all__ = ["TOPIC_ROOT", "TRACE_FIELDS", "Agent", "AgentConfig", "AgentData", "AgentError", "AgentModel",
            "AgentSection", "add_parser", "binding_of", "broker_address", "config_from_dict", "load_config",
            "load_shard", "log", "main", "run_agent"]
 
 
-class Agent(Link, Heartbeat, Work):
-    """One client of the federation: MQTT plumbing (Link), availability (Heartbeat), the work (Work)."""
+class Agent:
+    """One client of the federation, composed of three components, each owning its state and given what it needs
+    of the others at construction (the events `connected` and `stopping`, the inbox and the measured `rates` are
+    the agent's, shared with them):
+
+        component   owns                                         handles
+        heartbeat   the clock, battery reads, the policy's       its thread: a heartbeat every heartbeat_s, or at
+                    verdict, trace.csv                           once on connect; `policy_reason` for a task
+        link        the paho client, broker list, reconnects,    paho's thread: connect, disconnect, every
+                    the newest round seen, uploads abandoned     message into the inbox (noting a task's or
+                                                                 model's round: `superseded`), the announce
+                                                                 request on coordinator/status; publishing
+        work        the model and shard, the latest global       the inbox's messages by kind (`_handle` below);
+                    model, ONNX model and task, the cached       `step`: train once a task and its model are
+                    update, FedDD's memory, evaluations          here (not if superseded), else evaluate
+
+    The main thread takes the inbox's frames (`run`), reassembles them (`incoming`) and routes each message by kind
+    (`_handle`): the coordinator's "finished" stops the agent; a task (device/ID/control), a global model
+    (model/weights) and an ONNX model (model/onnx) go to the work."""
 
     def __init__(self, cfg: AgentConfig):
         self.cfg, self.id, self.client_idx = cfg, cfg.device_id, cfg.agent.client
         self.device = resolve_device(cfg.agent.device)  # first: `cuda` without CUDA stops here (device.py)
-        self.brokers = Brokers(cfg.agent.broker, "agent.broker")  # the URL list and failover (link.py)
+        brokers = Brokers(cfg.agent.broker, "agent.broker")  # the URL list and failover (link.py)
         try:
             self.battery = make_battery(cfg.battery, self.id)
         except BatteryError as e:
             raise AgentError(str(e)) from None
-        ds, self.x, self.y, self.test_x, self.test_y = load_shard(cfg)
+        ds, x, y, test_x, test_y = load_shard(cfg)
         self.binding = binding_of(cfg, ds)
         try:
-            self.model = build_model(cfg.model.model, tuple(self.x.shape[1:]), ds.num_classes, cfg.data.seed,
-                                     cfg.model.dropout)
+            model = build_model(cfg.model.model, tuple(x.shape[1:]), ds.num_classes, cfg.data.seed, cfg.model.dropout)
         except ValueError as e:
             raise AgentError(str(e)) from None
-        self.limits = wire.Limits(chunk_bytes=cfg.agent.chunk_bytes, max_tensor_bytes=cfg.agent.max_tensor_bytes)
-        self.reasm = wire.Reassembler(self.limits)
-        self.layout = feddd.unit_layout(self.model)                    # FedDD: channels/neurons of the model
-        self.label_score = feddd.label_score(self.y, ds.num_classes)   # FedDD q_n, sent with every update
-        # training on the device from here on (the test split stays on the CPU for onnxruntime)
-        self.model, self.x, self.y = place(self.model, self.x, self.y, self.device)
-        self.feddd_memory: tuple[str, feddd.Memory] | None = None      # run, last upload (eq. 5)
-        self.base = f"{TOPIC_ROOT}/device/{self.id}"
-        self.inbox: queue.Queue = queue.Queue()
+        limits = wire.Limits(chunk_bytes=cfg.agent.chunk_bytes, max_tensor_bytes=cfg.agent.max_tensor_bytes)
+        self.inbox: queue.Queue = queue.Queue()       # (topic, payload, retained, arrival): paho's thread to ours
         self.stopping = threading.Event()
-        self.connected = threading.Event()
-        self._beat_now = threading.Event()
-        self.t0 = time.monotonic()
-        # run, round, w, download_s, arrival, model digest, first-to-last chunk seconds (work.py)
-        self.weights: tuple[str, int, torch.Tensor, float | None, float, str, float] | None = None
-        self.global_buffers: tuple[str, int, dict] | None = None   # run, round, the model message's buffers (work.py)
-        self.onnx: tuple[str, int, bytes] | None = None
-        self.evaluated: tuple[str, int] | None = None                     # the last ONNX model started (work.py)
-        self._eval: tuple[tuple[str, int], object] | None = None          # (run, round), its evaluation in progress
-        self.evals_skipped = 0
-        self.task: tuple[str, TrainTask, float, str | None] | None = None  # run, task, received at, model digest
-        self._task_arrival: tuple[str, int, float] | None = None           # run, round, arrival (monotonic)
-        self._first_chunk_at: dict[tuple, float] = {}                      # a message's first chunk's arrival
-        # last update: run, round, model digest, frames, its telemetry record (re-sent when asked again)
-        self.cache: tuple[str, int, str, list[bytes], RoundRecord] | None = None
-        self.rates = {"uplink_Bps": None, "downlink_Bps": None, "train_samples_per_s": None}
-        self.rounds_trained = 0
-        # the coordinator's latest task or model (run, round), noted by paho's thread (link.py `_note_round`): a
-        # training or upload of another round is stale; `_wake` wakes an upload's waits when it changes
-        self._newest: tuple[str, int] | None = None
-        self._wake = threading.Event()
-        self.uploads_abandoned = 0   # stale uploads stopped (link.py)
-        self.tasks_skipped = 0       # stale tasks not trained (work.py)
+        self.connected = threading.Event()            # set and cleared by the link
+        self.rates = {"uplink_Bps": None, "downlink_Bps": None, "train_samples_per_s": None}  # measured, sent
         self.telemetry = Telemetry(cfg.telemetry, cfg.battery)  # sensors, the round's record (telemetry.py)
-        self._open_trace(Path(cfg.agent.out or f"agents/{self.id}"))
-        self.mqtt = self._make_client()
-        self._hb_thread = threading.Thread(target=self._heartbeats, name=f"hb-{self.id}", daemon=True)
+        self.heartbeat = Heartbeat(cfg, self.id, self.client_idx, self.battery, self.telemetry,
+                                   Path(cfg.agent.out or f"agents/{self.id}"), self.connected, self.stopping,
+                                   self.rates, rounds_trained=lambda: self.work.rounds_trained,
+                                   publish=lambda sub, frames, qos: self.link.publish(sub, frames, qos))
+        self.link = Link(cfg, self.id, self.client_idx, self.binding, len(y), brokers, limits, self.inbox,
+                         self.connected, self.stopping, self.rates, beat_now=self.heartbeat.beat_now,
+                         battery_pct=self.heartbeat.battery_pct)
+        self.work = Work(cfg, self.id, self.client_idx, self.device, model, x, y, test_x, test_y, ds.num_classes,
+                         limits=limits, battery=self.battery, telemetry=self.telemetry, rates=self.rates,
+                         connected=self.connected, stopping=self.stopping, nothing_waiting=self.inbox.empty,
+                         link=self.link, availability=self.heartbeat)
+        self.incoming = Incoming(self.id, limits)
+
+    # --- routing (main thread) ---
+    def _handle(self, topic: str, payload: bytes, retained: bool, received: float) -> None:
+        """One frame from the inbox; `received`: its arrival on this host's monotonic clock (link.py)."""
+        got = self.incoming.add(topic, payload, received)
+        if got is None:  # a chunk of a message not yet complete, or a frame rejected (logged)
+            return
+        msg, first_at = got
+        h = msg.header
+        if h.kind == "coordinator":
+            if msg.meta.get("state") == "finished" and not retained and self.cfg.agent.exit_when_done:
+                log.info(f"run {h.run} finished; exiting", extra=who(self.id))
+                self.stop()
+        elif h.kind == "model":
+            self.work.on_model(msg, first_at, received)
+        elif h.kind == "onnx":
+            self.work.on_onnx(msg)
+        elif h.kind == "task":
+            self.work.on_task(msg, received)
 
     # --- life cycle ---
     def start(self) -> None:
-        self.mqtt.connect_async(*self.brokers.address, keepalive=self.cfg.agent.keepalive_s)
-        self.mqtt.loop_start()
+        self.link.start()
         self.telemetry.start()
-        self._hb_thread.start()
+        self.heartbeat.start()
 
     def stop(self) -> None:
+        """From any thread: ends the main loop, the heartbeat thread and an upload's wait."""
         self.stopping.set()
-        self._beat_now.set()
-        self._wake.set()
+        self.heartbeat.beat_now()  # its thread wakes, sees `stopping` and ends
+        self.link.wake()
         self.inbox.put(None)
 
     def run(self) -> None:
@@ -146,24 +163,16 @@ class Agent(Link, Heartbeat, Work):
                 if item is None:
                     break
                 self._handle(*item)
-                self._work()
+                self.work.step()
         finally:
             self.shutdown()
 
     def shutdown(self) -> None:
         self.stopping.set()
-        self._beat_now.set()
-        self._hb_thread.join(timeout=5)
+        self.heartbeat.stop()
         self.telemetry.stop()
-        if self.connected.is_set():
-            info = self.mqtt.publish(f"{self.base}/status", self._status_frame("offline"), qos=1, retain=True)
-            try:
-                info.wait_for_publish(timeout=2)
-            except (RuntimeError, ValueError):
-                pass
-        self.mqtt.disconnect()
-        self.mqtt.loop_stop()
-        self._trace_file.close()
+        self.link.close()
+        self.heartbeat.close()
 
 
 def run_agent(cfg: AgentConfig, log_level: str = "info") -> int:
@@ -180,7 +189,7 @@ def run_agent(cfg: AgentConfig, log_level: str = "info") -> int:
     threading.Thread(target=lambda: (signals.get(), agent.stop()), name="signals", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: signals.put(True))
-    log.info(f"client {cfg.agent.client}: {len(agent.y)} training samples, broker {cfg.agent.broker}, "
+    log.info(f"client {cfg.agent.client}: {len(agent.work.y)} training samples, broker {cfg.agent.broker}, "
              f"training on {describe(agent.device)}", extra=who(agent.id))
     agent.run()
     return 0

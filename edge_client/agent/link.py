@@ -1,38 +1,43 @@
-"""The agent's MQTT plumbing (`Link`, a mixin of `Agent`).
+"""The agent's MQTT plumbing (`Link`, a component of `Agent`), and the reassembly of what arrives (`Incoming`).
 
-Owns the paho client: its creation (username/password, TLS against ca_file for mqtts://, the
-retained "offline" last will, reconnect delays), failover over the broker list (`self.brokers`:
-on_disconnect and on_connect_fail point paho at the next URL, paho's reconnect loop backs off and
-connects there; reconnect.py: backoff with jitter, a fresh client id after a connection dropped before its
-subscription was acknowledged), the status frame (device facts and data binding), the callbacks of paho's network
-thread (on_connect subscribes and announces "online", on_disconnect, on_message queues into
-`self.inbox`, and answers the coordinator's announce request at once), and publishing: `_publish` for small messages and
-`_send_update` for an update's chunks (at most `upload_window` unacknowledged at once, so heartbeats
-pass between them; paced to uplink_limit_Bps; waits for the broker's PUBACKs, then reports the upload's
-time and rate, and the round's telemetry, on update/stats). Arrival times handed to the inbox are this
-host's `time.monotonic()`.
+`Link` owns the paho client (`mqtt`): its creation (username/password, TLS against ca_file for mqtts://, the
+retained "offline" last will, reconnect delays), failover over the broker list (`brokers`: on_disconnect and
+on_connect_fail point paho at the next URL, paho's reconnect loop backs off and connects there; `reconnect`,
+reconnect.py: backoff with jitter, a fresh client id after a connection dropped before its subscription was
+acknowledged), the status frame (device facts and data binding), the callbacks of paho's network thread
+(on_connect subscribes and announces "online", on_disconnect, on_message queues into the agent's inbox, and
+answers the coordinator's announce request at once), and publishing: `publish` for small messages and
+`send_update` for an update's chunks (at most `upload_window` unacknowledged at once, so heartbeats pass between
+them; paced to uplink_limit_Bps; waits for the broker's PUBACKs, then reports the upload's time and rate, and the
+round's telemetry, on update/stats). Arrival times handed to the inbox are this host's `time.monotonic()`.
 
 **A stale upload stops at once.** The network thread notes the round of every task or global model the
-coordinator sends (`_note_round`, from the frame's header, before the main thread sees it). The coordinator
-sends round t+1's task and model only after round t has closed, so an upload (or a training) of round t is
-stale the moment a frame of another round arrives: `_upload` checks before every chunk and while it waits
-for a PUBACK, stops publishing, sends no stats, and logs `round t: upload abandoned after k of n chunks`
-(`uploads_abandoned` counts them). At most the `upload_window` chunks already in flight still reach the
+coordinator sends (`_note_round`, from the frame's header, before the main thread sees it, into `_newest`). The
+coordinator sends round t+1's task and model only after round t has closed, so an upload (or a training) of round
+t is stale the moment a frame of another round arrives (`superseded`): `send_update` checks before every chunk and
+while it waits for a PUBACK, stops publishing, sends no stats, and logs `round t: upload abandoned after k of n
+chunks` (`uploads_abandoned` counts them). At most the `upload_window` chunks already in flight still reach the
 broker.
 
-Uses the Agent's cfg, id, client_idx, base, binding, brokers, y, inbox, connected, stopping, rates, _beat_now,
-mqtt, battery, now, _newest, _wake, uploads_abandoned.
+Given at construction: the agent's identity, binding and sample count (its status), the broker list (checked
+before anything else is loaded), the `inbox` it queues into,
+the `connected` event (set and cleared here) and `stopping`, the measured `rates` (the upload's rate written
+here), `beat_now` (a heartbeat right after connecting) and `battery_pct` (the round's telemetry), both the
+heartbeat's.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
+from collections.abc import Callable
 
 from paho.mqtt import client as mqtt
 
-from edge_client import wire
-from edge_client.agent.config import TOPIC_ROOT, AgentError, log, who
+from edge_client import federation, wire
+from edge_client.agent.config import TOPIC_ROOT, AgentConfig, AgentError, Brokers, log, who
 from edge_client.agent.reconnect import Reconnect
 from edge_client.monitor import device_facts
 from edge_client.telemetry import RoundRecord
@@ -41,9 +46,46 @@ ACK_SLICE_S = 0.05  # a PUBACK wait wakes this often to see whether a newer roun
 
 
 class Link:
+    def __init__(self, cfg: AgentConfig, device_id: str, client: int, binding: federation.DataBinding,
+                 num_samples: int, brokers: Brokers, limits: wire.Limits, inbox: queue.Queue,
+                 connected: threading.Event, stopping: threading.Event, rates: dict, beat_now: Callable[[], None],
+                 battery_pct: Callable[[], float | None]):
+        self.cfg, self.id, self.client_idx = cfg, device_id, client
+        self.binding, self.num_samples, self.limits = binding, num_samples, limits
+        self.inbox, self.connected, self.stopping, self.rates = inbox, connected, stopping, rates
+        self.beat_now, self.battery_pct = beat_now, battery_pct
+        self.base = f"{TOPIC_ROOT}/device/{device_id}"
+        self.brokers = brokers  # the URL list and failover (config.py)
+        # the coordinator's latest task or model (run, round), noted by paho's thread (`_note_round`): a training
+        # or upload of another round is stale; `_wake` wakes an upload's waits when it changes, or at a stop
+        self._newest: tuple[str, int] | None = None
+        self._wake = threading.Event()
+        self.uploads_abandoned = 0   # stale uploads stopped
+        self.reconnect = Reconnect(f"dropfl-{device_id}")  # backoff with jitter, a fresh id after a refusal
+        self.mqtt = self._make_client()
+
+    # --- life cycle (the agent's main thread; `wake` from any thread) ---
+    def start(self) -> None:
+        self.mqtt.connect_async(*self.brokers.address, keepalive=self.cfg.agent.keepalive_s)
+        self.mqtt.loop_start()
+
+    def wake(self) -> None:
+        """Ends an upload's wait at once (it then sees `stopping`)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        """The retained "offline" status if connected (waited for 2 s at most), then the disconnect."""
+        if self.connected.is_set():
+            info = self.mqtt.publish(f"{self.base}/status", self._status_frame("offline"), qos=1, retain=True)
+            try:
+                info.wait_for_publish(timeout=2)
+            except (RuntimeError, ValueError):
+                pass
+        self.mqtt.disconnect()
+        self.mqtt.loop_stop()
+
     # --- the client (paho's network thread runs the callbacks) ---
     def _make_client(self) -> mqtt.Client:
-        self.reconnect = Reconnect(f"dropfl-{self.id}")  # backoff with jitter, a fresh id after a refusal
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.reconnect.client_id, clean_session=True)
         c.username_pw_set(self.id, self.cfg.agent.password)
         if self.brokers.tls:  # one CA for every URL of the list; each server's host name is checked
@@ -63,7 +105,7 @@ class Link:
         # rejoin, coordinator/field/registry.py)
         meta: dict = {"state": state, "device": self.id, "session": f"{self.reconnect.token}:{self.reconnect.sessions}"}
         if state == "online":
-            meta |= device_facts() | self.binding.to_meta() | {"num_samples": len(self.y)}
+            meta |= device_facts() | self.binding.to_meta() | {"num_samples": self.num_samples}
             if reply:
                 meta["reply"] = True
         return wire.encode("status", "", -1, self.client_idx, meta=meta)[0]
@@ -72,7 +114,7 @@ class Link:
         """Publish the `online` status (retained: an optimisation for brokers that deliver it to late
         subscribers; correctness never depends on it) and a heartbeat right away."""
         client.publish(f"{self.base}/status", self._status_frame("online", reply), qos=1, retain=True)
-        self._beat_now.set()  # a heartbeat right away: it tells the coordinator whether we can train
+        self.beat_now()  # a heartbeat right away: it tells the coordinator whether we can train
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -112,7 +154,7 @@ class Link:
     def _note_round(self, topic: str, payload: bytes) -> None:
         """Network thread: remember the (run, round) of the latest task or global model from the coordinator,
         read from the frame's header (docs/protocol.md: "DFL1", u32 header length, JSON header) without
-        decoding its body, and wake an upload waiting for a PUBACK. Invalid frames are left to `_handle`."""
+        decoding its body, and wake an upload waiting for a PUBACK. Invalid frames are left to `Incoming`."""
         if topic != f"{self.base}/control" and not topic.startswith(f"{TOPIC_ROOT}/model/"):
             return
         if len(payload) < 8 or payload[:4] != wire.MAGIC:
@@ -146,8 +188,8 @@ class Link:
             return False
         return h.kind == "coordinator" and h.meta.get("state") == "online" and h.meta.get("announce") is True
 
-    # --- publishing (main thread) ---
-    def _publish(self, sub: str, frames: list[bytes], qos: int = 1) -> None:
+    # --- publishing (main thread; `publish` from the heartbeat thread too) ---
+    def publish(self, sub: str, frames: list[bytes], qos: int = 1) -> None:
         for f in frames:
             self.mqtt.publish(f"{self.base}/{sub}", f, qos=qos)
 
@@ -169,7 +211,7 @@ class Link:
         if newer is not None:
             raise UploadStopped(f"round {newer[1]}'s task or model arrived: round {rnd} is closed", stale=True)
 
-    def _send_update(self, run: str, rnd: int, frames: list[bytes], record: RoundRecord | None = None) -> None:
+    def send_update(self, run: str, rnd: int, frames: list[bytes], record: RoundRecord | None = None) -> None:
         """Publish the update's chunks with at most `upload_window` unacknowledged at once (the next chunk
         waits for the broker's PUBACK of the one `upload_window` back, so a heartbeat, published by its own
         thread, waits behind at most that many chunks), then report the upload time on update/stats, with
@@ -233,8 +275,8 @@ class Link:
         self.rates["uplink_Bps"] = nbytes / upload_s if upload_s > 0 else None
         meta = {"upload_s": upload_s, "upload_bytes": nbytes, "uplink_Bps": self.rates["uplink_Bps"]}
         if record is not None:
-            meta["telemetry"] = record.finish(self.battery.read(self.now()).pct)
-        self._publish("update/stats", wire.encode("stats", run, rnd, self.client_idx, meta=meta))
+            meta["telemetry"] = record.finish(self.battery_pct())
+        self.publish("update/stats", wire.encode("stats", run, rnd, self.client_idx, meta=meta))
 
 
 class UploadStopped(Exception):
@@ -243,3 +285,30 @@ class UploadStopped(Exception):
     def __init__(self, reason: str, stale: bool = False):
         super().__init__(reason)
         self.stale = stale
+
+
+class Incoming:
+    """The main thread's side of receiving: reassembles the inbox's frames into messages (wire.Reassembler) and
+    notes when each message's first chunk arrived (a global model's download time, work.py)."""
+
+    def __init__(self, device_id: str, limits: wire.Limits):
+        self.id = device_id
+        self.reasm = wire.Reassembler(limits)
+        self._first_chunk_at: dict[tuple, float] = {}   # a message's first chunk's arrival
+
+    def add(self, topic: str, payload: bytes, received: float) -> tuple[wire.Message, float] | None:
+        """The message this frame completes and its first chunk's arrival (this host's monotonic clock), or None:
+        a chunk of a message still incomplete, or a frame rejected (logged)."""
+        try:
+            msg = self.reasm.add(payload)
+        except wire.WireError as e:
+            log.warning(f"rejected a message on {topic}: {e.reason}", extra=who(self.id))
+            return None
+        last = self.reasm.last
+        key = (last.run, last.round, last.kind, last.sha256)
+        if msg is None:  # a chunk: note when the message's first chunk arrived (download time)
+            if len(self._first_chunk_at) > 64:
+                self._first_chunk_at.clear()
+            self._first_chunk_at.setdefault(key, received)
+            return None
+        return msg, self._first_chunk_at.pop(key, received)

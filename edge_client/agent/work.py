@@ -1,12 +1,20 @@
-"""The agent's work (`Work`, a mixin of `Agent`), all on the main thread.
+"""The agent's work (`Work`, a component of `Agent`), all on the main thread.
 
-Owns what happens to a message taken from the inbox: `_handle` reassembles it and keeps the latest
-global model, ONNX model and task (or stops on the coordinator's "finished"); `_on_task` checks a
-task and declines it with the policy's reason, re-sends a cached update, or parses it; `_work` trains
-once the task and its round's global model are both here, and evaluates a new ONNX model when idle;
-`_train_and_upload` runs `edge_client.trainer.local_train` on the agent's shard (or FedDD's
-`feddd.client_round` with its sparse payload), then uploads with `Link._send_update`; `_evaluation`
-scores the global ONNX model with onnxruntime on the agent's test split and publishes the accuracy.
+Owns the model and this client's shard (training on `device`, the test split on the CPU for onnxruntime), the
+latest global model (`weights`, `global_buffers`), ONNX model (`onnx`) and task (`task`), the last update
+(`cache`, re-sent when asked again), FedDD's memory, and the counts `rounds_trained`, `tasks_skipped`,
+`evals_skipped`. The agent hands it each message it reassembled, by kind: `on_model` keeps a global model and its
+download time, `on_onnx` an ONNX model, `on_task` checks a task and declines it with the policy's reason,
+re-sends a cached update, or keeps it; after each message `step` trains once the task and its round's global
+model are both here (unless a newer round made it stale: `tasks_skipped`), and evaluates a new ONNX model when
+idle. `_train_and_upload` runs `edge_client.trainer.local_train` on the shard (or FedDD's `feddd.client_round`
+with its sparse payload), then uploads with the link's `send_update`; `_evaluation` scores the global ONNX model
+with onnxruntime on the test split and publishes the accuracy.
+
+Given at construction: the model and the shard (the agent loads them), `limits`, the battery (a training drains
+a modelled one) and the telemetry, the measured `rates` (uplink read, downlink and training written here), the
+`connected` and `stopping` events, `nothing_waiting` (the inbox is empty), the link (`Uplink`: publish,
+send_update, superseded) and the heartbeat (`Availability`: policy_reason, battery_pct).
 
 **Evaluation is never on the critical path.** Training never waits for an evaluation: `_evaluate_when_idle`
 runs the evaluation one batch of `eval_batch` test samples at a time (`_evaluation` is a generator), on
@@ -21,23 +29,26 @@ that are multiples of k (0: never); onnxruntime is imported on the first evaluat
 Each trained round is measured in a `RoundRecord` (edge_client/telemetry.py: seconds, CPU, peak RSS,
 temperature, battery, energy of training and upload), each evaluation in an `EvalMeter` (its busy stretches
 only); both go with the round's stats (link.py).
-
-Uses the Agent's cfg, id, client_idx, model, layout, label_score, feddd_memory, x, y, test_x, test_y,
-reasm, limits, battery, telemetry, stopping, rates, weights, onnx, evaluated, task, cache, rounds_trained.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from edge_client import feddd, objectives, wire
-from edge_client.agent.config import log, who
+from edge_client.agent.config import AgentConfig, log, who
+from edge_client.agent.device import place
+from edge_client.battery import Battery
 from edge_client.models import get_buffers, set_buffers
-from edge_client.telemetry import EvalMeter, RoundRecord
+from edge_client.telemetry import EvalMeter, RoundRecord, Telemetry
 from edge_client.trainer import TrainTask, local_train
 
 _libc = None
@@ -62,70 +73,101 @@ def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-class Work:
-    def _handle(self, topic: str, payload: bytes, retained: bool, received: float) -> None:
-        """`received`: the frame's arrival on this host's monotonic clock (Link._on_message)."""
-        try:
-            msg = self.reasm.add(payload)
-        except wire.WireError as e:
-            log.warning(f"rejected a message on {topic}: {e.reason}", extra=who(self.id))
-            return
-        last = self.reasm.last
-        key = (last.run, last.round, last.kind, last.sha256)
-        if msg is None:  # a chunk: note when the message's first chunk arrived (download time)
-            if len(self._first_chunk_at) > 64:
-                self._first_chunk_at.clear()
-            self._first_chunk_at.setdefault(key, received)
-            return
-        first_at = self._first_chunk_at.pop(key, received)
-        h = msg.header
-        if h.kind == "coordinator":
-            if msg.meta.get("state") == "finished" and not retained and self.cfg.agent.exit_when_done:
-                log.info(f"run {h.run} finished; exiting", extra=who(self.id))
-                self.stop()
-        elif h.kind == "model":
-            n = sum(p.numel() for p in self.model.parameters())
-            if msg.tensor is None or msg.tensor.dtype != torch.float32 or list(msg.tensor.shape) != [n]:
-                log.warning(f"rejected a global model of {h.dtype} {h.shape} (expected float32 [{n}])",
-                            extra=who(self.id))
-                return
-            digest = wire.model_digest(msg.tensor)
-            if msg.meta.get("model_digest") not in (None, digest):
-                log.warning(f"rejected a global model whose digest {digest} is not the one it names "
-                            f"({str(msg.meta['model_digest'])[:64]})", extra=who(self.id))
-                return
-            # download time on this host's monotonic clock (never the coordinator's sent_at): from the arrival
-            # of the round's task (published just before the model) or of the model's first chunk, whichever
-            # came first, to the arrival of its last chunk; None if that is not measurable (docs/protocol.md)
-            start = first_at
-            if self._task_arrival is not None and self._task_arrival[:2] == (h.run, h.round):
-                start = min(start, self._task_arrival[2])
-            download_s = received - start if received > start else None
-            self.weights = (h.run, h.round, msg.tensor, download_s, received, digest, received - first_at)
-            self.global_buffers = None
-            if "buffers" in msg.meta:   # the global BatchNorm statistics this round's training starts from
-                try:
-                    self.global_buffers = (h.run, h.round, wire.meta_buffers(msg.meta["buffers"],
-                                                                             get_buffers(self.model)))
-                except wire.WireError as e:
-                    log.warning(f"round {h.round}: the model's buffers are not this model's ({e.reason}); training "
-                                f"from its own", extra=who(self.id))
-            if download_s is not None:
-                self.rates["downlink_Bps"] = h.nbytes / download_s
-        elif h.kind == "onnx" and msg.tensor is not None and msg.tensor.dtype == torch.uint8:
-            self.onnx = (h.run, h.round, msg.tensor.numpy().tobytes())
-        elif h.kind == "task":
-            self._on_task(msg, received)
+class Uplink(Protocol):
+    """What the work needs of the link (link.py `Link`)."""
 
-    def _on_task(self, msg: wire.Message, received: float) -> None:
+    def publish(self, sub: str, frames: list[bytes], qos: int = 1) -> None: ...
+
+    def send_update(self, run: str, rnd: int, frames: list[bytes], record: RoundRecord | None = None) -> None: ...
+
+    def superseded(self, run: str, rnd: int) -> tuple[str, int] | None: ...
+
+
+class Availability(Protocol):
+    """What the work needs of the heartbeat (heartbeat.py `Heartbeat`)."""
+
+    def policy_reason(self) -> str | None: ...
+
+    def battery_pct(self) -> float | None: ...
+
+
+class Work:
+    def __init__(self, cfg: AgentConfig, device_id: str, client: int, device: torch.device, model: torch.nn.Module,
+                 x: torch.Tensor, y: torch.Tensor, test_x: np.ndarray, test_y: np.ndarray, num_classes: int, *,
+                 limits: wire.Limits, battery: Battery, telemetry: Telemetry, rates: dict,
+                 connected: threading.Event, stopping: threading.Event, nothing_waiting: Callable[[], bool],
+                 link: Uplink, availability: Availability):
+        self.cfg, self.id, self.client_idx, self.device = cfg, device_id, client, device
+        self.limits, self.battery, self.telemetry, self.rates = limits, battery, telemetry, rates
+        self.connected, self.stopping, self.nothing_waiting = connected, stopping, nothing_waiting
+        self.link, self.availability = link, availability
+        self.layout = feddd.unit_layout(model)                    # FedDD: channels/neurons of the model
+        self.label_score = feddd.label_score(y, num_classes)     # FedDD q_n, sent with every update
+        # training on the device from here on (the test split stays on the CPU for onnxruntime)
+        self.model, self.x, self.y = place(model, x, y, device)
+        self.test_x, self.test_y = test_x, test_y
+        self.feddd_memory: tuple[str, feddd.Memory] | None = None      # run, last upload (eq. 5)
+        # run, round, w, download_s, arrival, model digest, first-to-last chunk seconds
+        self.weights: tuple[str, int, torch.Tensor, float | None, float, str, float] | None = None
+        self.global_buffers: tuple[str, int, dict] | None = None   # run, round, the model message's buffers
+        self.onnx: tuple[str, int, bytes] | None = None
+        self.evaluated: tuple[str, int] | None = None                     # the last ONNX model started
+        self._eval: tuple[tuple[str, int], object] | None = None          # (run, round), its evaluation in progress
+        self.evals_skipped = 0
+        self.task: tuple[str, TrainTask, float, str | None] | None = None  # run, task, received at, model digest
+        self._task_arrival: tuple[str, int, float] | None = None           # run, round, arrival (monotonic)
+        # last update: run, round, model digest, frames, its telemetry record (re-sent when asked again)
+        self.cache: tuple[str, int, str, list[bytes], RoundRecord] | None = None
+        self.rounds_trained = 0
+        self.tasks_skipped = 0       # stale tasks not trained
+
+    # --- the messages the agent hands over (agent/__init__.py `_handle`) ---
+    def on_model(self, msg: wire.Message, first_at: float, received: float) -> None:
+        """A global model: its last chunk arrived at `received`, its first at `first_at` (this host's clock)."""
+        h = msg.header
+        n = sum(p.numel() for p in self.model.parameters())
+        if msg.tensor is None or msg.tensor.dtype != torch.float32 or list(msg.tensor.shape) != [n]:
+            log.warning(f"rejected a global model of {h.dtype} {h.shape} (expected float32 [{n}])",
+                        extra=who(self.id))
+            return
+        digest = wire.model_digest(msg.tensor)
+        if msg.meta.get("model_digest") not in (None, digest):
+            log.warning(f"rejected a global model whose digest {digest} is not the one it names "
+                        f"({str(msg.meta['model_digest'])[:64]})", extra=who(self.id))
+            return
+        # download time on this host's monotonic clock (never the coordinator's sent_at): from the arrival
+        # of the round's task (published just before the model) or of the model's first chunk, whichever
+        # came first, to the arrival of its last chunk; None if that is not measurable (docs/protocol.md)
+        start = first_at
+        if self._task_arrival is not None and self._task_arrival[:2] == (h.run, h.round):
+            start = min(start, self._task_arrival[2])
+        download_s = received - start if received > start else None
+        self.weights = (h.run, h.round, msg.tensor, download_s, received, digest, received - first_at)
+        self.global_buffers = None
+        if "buffers" in msg.meta:   # the global BatchNorm statistics this round's training starts from
+            try:
+                self.global_buffers = (h.run, h.round, wire.meta_buffers(msg.meta["buffers"],
+                                                                         get_buffers(self.model)))
+            except wire.WireError as e:
+                log.warning(f"round {h.round}: the model's buffers are not this model's ({e.reason}); training "
+                            f"from its own", extra=who(self.id))
+        if download_s is not None:
+            self.rates["downlink_Bps"] = h.nbytes / download_s
+
+    def on_onnx(self, msg: wire.Message) -> None:
+        """The global model as ONNX (evaluated when idle); anything but a uint8 tensor is ignored."""
+        if msg.tensor is not None and msg.tensor.dtype == torch.uint8:
+            self.onnx = (msg.header.run, msg.header.round, msg.tensor.numpy().tobytes())
+
+    def on_task(self, msg: wire.Message, received: float) -> None:
         h, m = msg.header, msg.meta
         if h.client != self.client_idx:
             log.warning(f"rejected a task for client {h.client} (this agent is client {self.client_idx})",
                         extra=who(self.id))
             return
-        self._task_arrival = (h.run, h.round, received)  # the model follows it (its download time, `_handle`)
+        self._task_arrival = (h.run, h.round, received)  # the model follows it (its download time, `on_model`)
         digest = m.get("model_digest")  # the model the task trains on (None: any model of its round)
-        reason = self.policy_reason()
+        reason = self.availability.policy_reason()
         if reason == "offline" and not self.connected.is_set():
             # a task that reached us just before the broker went away: a decline would arrive only once we
             # are back online, and then untrue. The coordinator re-sends open tasks when we rejoin.
@@ -133,12 +175,12 @@ class Work:
                      extra=who(self.id))
             return
         if reason is not None:
-            self._publish("update/decline", wire.encode("decline", h.run, h.round, self.client_idx,
-                                                         meta={"reason": reason}))
+            self.link.publish("update/decline", wire.encode("decline", h.run, h.round, self.client_idx,
+                                                            meta={"reason": reason}))
             return
         if self.cache is not None and self.cache[:2] == (h.run, h.round):
             if digest is None or digest == self.cache[2]:  # re-request after a reconnect: the same update
-                self._send_update(h.run, h.round, self.cache[3], self.cache[4])
+                self.link.send_update(h.run, h.round, self.cache[3], self.cache[4])
                 return
             log.info(f"round {h.round}: the cached update was trained on model {self.cache[2]}, the task's is "
                      f"{digest}: training again", extra=who(self.id))
@@ -157,19 +199,21 @@ class Work:
                 raise ValueError(f"dropout_rate {task.dropout_rate} outside [0, 1]")
         except objectives.PluginError as e:   # an objective not installed here: declined, with the name, at once
             log.warning(f"round {h.round}: declined the task: {e}", extra=who(self.id))
-            self._publish("update/decline", wire.encode("decline", h.run, h.round, self.client_idx,
-                                                         meta={"reason": "declined", "detail": str(e)}))
+            self.link.publish("update/decline", wire.encode("decline", h.run, h.round, self.client_idx,
+                                                            meta={"reason": "declined", "detail": str(e)}))
             return
         except (KeyError, TypeError, ValueError) as e:
             log.warning(f"rejected a malformed task for round {h.round}: {e!r}", extra=who(self.id))
             return
         self.task = (h.run, task, received, digest)
 
-    def _work(self) -> None:
+    # --- after each message ---
+    def step(self) -> None:
+        """Train if the task and its round's global model are both here, then evaluate while idle."""
         ready = self.task is not None and self.weights is not None
         if ready and self.weights[:2] == (self.task[0], self.task[1].round) and self.task[3] in (None, self.weights[5]):
             (run, task, task_at, _), self.task = self.task, None
-            newer = self.superseded(run, task.round)
+            newer = self.link.superseded(run, task.round)
             if newer is not None:  # round t+1's task or model is already here: round t has closed (link.py)
                 log.info(f"round {task.round}: not trained: round {newer[1]}'s task or model arrived first",
                          extra=who(self.id))
@@ -194,7 +238,7 @@ class Work:
             every = self.cfg.agent.eval_every
             if every > 0 and rnd % every == 0:
                 self._eval = ((run, rnd), self._evaluation(run, rnd, model_bytes))
-        while self._eval is not None and self.inbox.empty() and not self.stopping.is_set():
+        while self._eval is not None and self.nothing_waiting() and not self.stopping.is_set():
             try:
                 next(self._eval[1])
             except StopIteration:
@@ -202,7 +246,7 @@ class Work:
 
     def _train_and_upload(self, run: str, task: TrainTask, w: torch.Tensor, download_s: float | None,
                           wait_s: float = 0.0) -> None:
-        record = RoundRecord(self.telemetry, self.battery.read(self.now()).pct)  # what the round costs
+        record = RoundRecord(self.telemetry, self.availability.battery_pct())  # what the round costs
         record.begin("train", busy=True)
         start = time.perf_counter()
         sparse_payload = None
@@ -240,7 +284,7 @@ class Work:
         frames = wire.encode("update", run, task.round, self.client_idx, body, meta, self._upload_limits())
         self.cache = (run, task.round, digest, frames, record)
         self.rounds_trained += 1
-        self._send_update(run, task.round, frames, record)
+        self.link.send_update(run, task.round, frames, record)
         release_memory()
 
     def _upload_limits(self) -> wire.Limits:
@@ -294,5 +338,5 @@ class Work:
         del sess
         release_memory()
         acc = correct / max(len(self.test_y), 1)
-        self._publish("update/eval", wire.encode("eval", run, rnd, self.client_idx, meta={
+        self.link.publish("update/eval", wire.encode("eval", run, rnd, self.client_idx, meta={
             "accuracy": acc, "samples": int(len(self.test_y)), "seconds": busy}))
