@@ -1,12 +1,17 @@
 """The field hub's components on their own (coordinator/field/hub.py), with no broker and no FieldHub: each is
 built with hand-made collaborators in place of the others, through the interfaces it declares (registry.py
-`RoundHooks` and `BrokerHealth`, absence.py `Agents` and `Broker`, outage.py's hooks)."""
+`RoundHooks` and `BrokerHealth`, absence.py `Agents` and `Broker`, outage.py's hooks). The device agent's
+components likewise (edge_client/agent/__init__.py), with no broker and no Agent (work.py `Uplink` and
+`Availability`, the heartbeat's and the link's callables), in a section of their own at the end."""
 
+import csv
+import queue
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from coordinator.field import outage as outage_mod
 from coordinator.field.absence import Absence, EmptyFederation
@@ -15,7 +20,15 @@ from coordinator.field.connection import FieldConfig
 from coordinator.field.outage import AGENT_RECONNECT_S, Outage
 from coordinator.field.registry import Registry
 from edge_client import wire
+from edge_client.agent import config_from_dict
+from edge_client.agent.config import TOPIC_ROOT, Brokers
+from edge_client.agent.heartbeat import Heartbeat
+from edge_client.agent.link import Link
+from edge_client.agent.work import Work
+from edge_client.battery import BatteryConfig, Reading
 from edge_client.federation import DataBinding
+from edge_client.models import build_model, get_flat
+from edge_client.telemetry import Telemetry, TelemetryConfig
 from edge_client.trainer import TrainTask
 
 BINDING = DataBinding(dataset="fmnist", partition="iid", clients=4, shards_per_client=2, dirichlet_alpha=0.5,
@@ -227,3 +240,206 @@ def test_collection_back_after_an_outage_undoes_only_offline_drops_without_an_up
     r.dropped[2] = "battery"                             # declined before: not the outage's to undo
     coll.back_after_outage({0, 1, 2})
     assert r.dropped == {2: "battery"} and not r.gone and r.open == {0, 1}
+
+
+# --- The device agent's components: heartbeat, link and work, each on its own (edge_client/agent/) ---
+
+AGENT_CFG = config_from_dict({"agent": {"client": 1, "heartbeat_s": 600.0}, "data": {"clients": 4}})
+CONTROL = f"{TOPIC_ROOT}/device/client-1/control"
+AGENT_TASK = {"lr": 0.1, "batch_size": 8, "steps": 2, "seed": 2}
+
+
+class Battery:
+    """Stands in for the agent's battery: one fixed reading; adds up the training seconds it is told of."""
+
+    def __init__(self, reading: Reading):
+        self.reading, self.trained_s = reading, 0.0
+
+    def read(self, t):
+        return self.reading
+
+    def training(self, seconds):
+        self.trained_s += seconds
+
+
+def agent_rates() -> dict:
+    return {"uplink_Bps": 8000.0, "downlink_Bps": None, "train_samples_per_s": 12.5}
+
+
+def heartbeat_component(tmp_path, reading: Reading):
+    """A heartbeat publishing into a queue: (heartbeat, what it published, connected, stopping)."""
+    published: queue.Queue = queue.Queue()
+    connected, stopping = threading.Event(), threading.Event()
+    connected.set()
+    hb = Heartbeat(AGENT_CFG, "client-1", 1, Battery(reading), SimpleNamespace(temperature=lambda: 41.5), tmp_path,
+                   connected, stopping, agent_rates(), rounds_trained=lambda: 3,
+                   publish=lambda sub, frames, qos: published.put((sub, frames, qos)))
+    return hb, published, connected, stopping
+
+
+def test_heartbeat_payload_trace_rows_and_policy_verdict(tmp_path):
+    hb, published, connected, _ = heartbeat_component(tmp_path, Reading(15.0, False))
+    assert hb.policy_reason() == "battery" and hb.battery_pct() == 15.0
+    hb.beat()
+    sub, (frame,), qos = published.get_nowait()
+    m = wire.decode([frame])
+    assert (sub, qos, m.kind, m.header.client) == ("heartbeat", 0, "heartbeat", 1)
+    assert (m.meta["battery_pct"], m.meta["charging"], m.meta["temp_c"]) == (15.0, False, 41.5)  # the sensor's temp
+    assert (m.meta["available"], m.meta["reason"], m.meta["net_up"]) == (False, "battery", True)
+    assert (m.meta["rounds_trained"], m.meta["uplink_Bps"], m.meta["train_samples_per_s"]) == (3, 8000.0, 12.5)
+    connected.clear()   # the broker went away: nothing published, a row of the trace all the same
+    hb.beat()
+    assert published.empty()
+    hb.close()
+    with open(tmp_path / "trace.csv", newline="") as f:
+        rows = [(r["device"], r["online"], r["battery_pct"], r["charging"], r["uplink_Bps"], r["downlink_Bps"],
+                 r["temp_c"]) for r in csv.DictReader(f)]
+    assert rows == [("client-1", "1", "15.00", "0", "8000", "", "41.5"), ("client-1", "0", "15.00", "0", "8000", "",
+                                                                          "41.5")]
+
+
+def test_heartbeat_thread_beats_at_start_and_at_once_when_asked_and_ends_on_stop(tmp_path):
+    hb, published, _, stopping = heartbeat_component(tmp_path, Reading(80.0, True))  # heartbeat_s 600
+    hb.start()
+    published.get(timeout=30)       # the first heartbeat, at the start
+    hb.beat_now()                   # (the link asks for one on every connect)
+    published.get(timeout=30)       # the next one now, not heartbeat_s later
+    stopping.set()
+    hb.stop()
+    assert not hb._thread.is_alive() and published.empty()   # ended without another heartbeat
+    hb.close()
+
+
+def link_component():
+    """A link with a paho client that never connects: (link, inbox, what it published, heartbeats asked for)."""
+    inbox: queue.Queue = queue.Queue()
+    beats: list[int] = []
+    link = Link(AGENT_CFG, "client-1", 1, BINDING, 100, Brokers(AGENT_CFG.agent.broker, "agent.broker"),
+                wire.Limits(), inbox, threading.Event(), threading.Event(), agent_rates(),
+                beat_now=lambda: beats.append(1), battery_pct=lambda: 70.0)
+    published: list[tuple[str, bytes, bool]] = []
+    link.mqtt.publish = lambda topic, payload, qos=0, retain=False: published.append((topic, payload, retain)) or \
+        SimpleNamespace(is_published=lambda: True, wait_for_publish=lambda timeout=None: None)
+    return link, inbox, published, beats
+
+
+def arrive(link, topic, frame, retain=False):
+    """A message through paho's callback (the network thread), which passes the client."""
+    link._on_message(link.mqtt, None, SimpleNamespace(topic=topic, payload=frame, retain=retain))
+
+
+def test_link_says_which_newer_round_supersedes_a_round_from_the_frames_header():
+    link, inbox, _, _ = link_component()
+    assert link.superseded("run", 5) is None                     # nothing from the coordinator yet
+    arrive(link, CONTROL, wire.encode("task", "run", 5, 1, meta=AGENT_TASK)[0])
+    assert link.superseded("run", 5) is None and link.superseded("run", 4) == ("run", 5)
+    arrive(link, f"{TOPIC_ROOT}/model/weights", wire.encode("model", "run", 6, -1, torch.zeros(3))[0])
+    assert link.superseded("run", 5) == ("run", 6) and link.superseded("other", 6) == ("run", 6)
+    arrive(link, CONTROL, b"DFL1\x00\x00\x00\x05{bad}")          # not a header: left to the reassembly
+    arrive(link, f"{TOPIC_ROOT}/device/client-2/control", wire.encode("task", "run", 9, 2, meta=AGENT_TASK)[0])
+    arrive(link, f"{TOPIC_ROOT}/coordinator/status", wire.encode("coordinator", "run", -1, -1,
+                                                                 meta={"state": "online"})[0])
+    assert link.superseded("run", 6) is None                     # none of those is a task or model of ours
+    arrive(link, CONTROL, wire.encode("task", "run", 3, 1, meta=AGENT_TASK)[0])
+    assert link.superseded("run", 6) == ("run", 3)               # a resumed coordinator's earlier round: 6 is over
+    items = list(inbox.queue)
+    assert len(items) == 6 and [i[0] for i in items][2] == CONTROL and all(isinstance(i[3], float) for i in items)
+
+
+def test_link_answers_the_coordinators_announce_request_from_the_network_thread():
+    link, inbox, published, beats = link_component()
+    ask = wire.encode("coordinator", "run", -1, -1, meta={"state": "online", "announce": True})[0]
+    arrive(link, f"{TOPIC_ROOT}/coordinator/status", ask, retain=True)   # a retained one is no request
+    assert published == [] and beats == []
+    arrive(link, f"{TOPIC_ROOT}/coordinator/status", ask)
+    (topic, payload, retain), = published
+    m = wire.decode([payload])
+    assert topic == f"{TOPIC_ROOT}/device/client-1/status" and retain and beats == [1]
+    assert (m.meta["state"], m.meta["reply"], m.meta["num_samples"], m.meta["device"]) == ("online", True, 100,
+                                                                                           "client-1")
+    assert inbox.qsize() == 2   # both still reach the main thread
+
+
+def test_link_uploads_every_chunk_then_its_stats_and_abandons_a_superseded_upload():
+    link, _, published, _ = link_component()
+    frames = wire.encode("update", "run", 5, 1, torch.zeros(3000), {"num_samples": 10}, wire.Limits(chunk_bytes=4096))
+    link.send_update("run", 5, frames)
+    assert [t.rsplit("/", 2)[-2:] for t, _, _ in published] == [["update", "delta"]] * len(frames) + [
+        ["update", "stats"]] and len(frames) > 1
+    stats = wire.decode([published[-1][1]])
+    assert stats.meta["upload_bytes"] == sum(len(f) for f in frames) and stats.meta["uplink_Bps"] == \
+        link.rates["uplink_Bps"]
+    published.clear()
+    arrive(link, CONTROL, wire.encode("task", "run", 6, 1, meta=AGENT_TASK)[0])   # round 5 closed
+    link.send_update("run", 5, frames)
+    assert published == [] and link.uploads_abandoned == 1
+
+
+class Uplink:
+    """Stands in for the link (work.py `Uplink`): records what the work publishes and uploads; `newer` is what
+    `superseded` answers."""
+
+    def __init__(self):
+        self.published: list[tuple[str, list[bytes]]] = []
+        self.updates: list[tuple[str, int, list[bytes]]] = []
+        self.newer: tuple[str, int] | None = None
+
+    def publish(self, sub, frames, qos=1):
+        self.published.append((sub, frames))
+
+    def send_update(self, run, rnd, frames, record=None):
+        self.updates.append((run, rnd, frames))
+
+    def superseded(self, run, rnd):
+        return self.newer
+
+
+def work_component(tmp_path, reason: str | None = None):
+    """Client 1's work on 32 random samples (logreg): (work, its link, its battery, connected)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)
+    link, battery, connected = Uplink(), Battery(Reading(80.0, True)), threading.Event()
+    connected.set()
+    telemetry = Telemetry(TelemetryConfig(sysfs_root=str(tmp_path), vcgencmd=""), BatteryConfig(source="mains"))
+    work = Work(AGENT_CFG, "client-1", 1, torch.device("cpu"), build_model("logreg", (1, 28, 28), 10, 0), x, y,
+                x[:8].numpy(), y[:8].numpy(), 10, limits=wire.Limits(), battery=battery, telemetry=telemetry,
+                rates=agent_rates(), connected=connected, stopping=threading.Event(), nothing_waiting=lambda: True,
+                link=link, availability=SimpleNamespace(policy_reason=lambda: reason, battery_pct=lambda: 80.0))
+    return work, link, battery, connected
+
+
+def hand_over(work, rnd, w):
+    """Round `rnd`'s task and global model, as the agent routes them, then the work's step."""
+    work.on_task(wire.decode(wire.encode("task", "run", rnd, 1, meta=AGENT_TASK)), 0.0)
+    work.on_model(wire.decode(wire.encode("model", "run", rnd, -1, w)), 0.0, 0.0)
+    work.step()
+
+
+def test_work_drops_a_superseded_task_trains_the_next_and_resends_its_cached_update(tmp_path):
+    work, link, battery, _ = work_component(tmp_path)
+    w = get_flat(build_model("logreg", (1, 28, 28), 10, 2))
+    link.newer = ("run", 6)          # round 6's task or model reached the link first: round 5 is over
+    hand_over(work, 5, w)
+    assert (work.tasks_skipped, work.rounds_trained, link.updates, work.task) == (1, 0, [], None)
+    link.newer = None
+    hand_over(work, 6, w)
+    (run, rnd, frames), = link.updates
+    up = wire.decode(frames, run="run", round=6, client=1, kinds=("update",))
+    assert (run, rnd, work.rounds_trained, up.meta["num_samples"], up.meta["steps"]) == ("run", 6, 1, 32, 2)
+    assert battery.trained_s > 0 and work.rates["train_samples_per_s"] is not None
+    work.on_task(wire.decode(wire.encode("task", "run", 6, 1, meta=AGENT_TASK)), 0.0)   # asked again
+    assert link.updates[1] == ("run", 6, frames) and work.rounds_trained == 1 and work.task is None
+
+
+@pytest.mark.parametrize("reason,connected,declined", [
+    ("battery", True, "battery"), ("offline", True, "offline"),
+    ("offline", False, None),     # reached us as the broker went away: a decline would arrive late, and untrue
+    (None, True, None)])
+def test_work_declines_a_task_with_the_policys_reason(tmp_path, reason, connected, declined):
+    work, link, _, conn = work_component(tmp_path, reason)
+    if not connected:
+        conn.clear()
+    work.on_task(wire.decode(wire.encode("task", "run", 0, 1, meta=AGENT_TASK)), 0.0)
+    assert [wire.decode(frames).meta["reason"] for sub, frames in link.published
+            if sub == "update/decline"] == ([declined] if declined else [])
+    assert (work.task is not None) == (reason is None)
