@@ -109,6 +109,8 @@ class Agent:
         self.connected = threading.Event()            # set and cleared by the link
         self.rates = {"uplink_Bps": None, "downlink_Bps": None, "train_samples_per_s": None}  # measured, sent
         self.telemetry = Telemetry(cfg.telemetry, cfg.battery)  # sensors, the round's record (telemetry.py)
+        # the heartbeat reads the work's count and publishes through the link, both built below (its thread starts
+        # in `start`); the link and the work are given the heartbeat itself
         self.heartbeat = Heartbeat(cfg, self.id, self.client_idx, self.battery, self.telemetry,
                                    Path(cfg.agent.out or f"agents/{self.id}"), self.connected, self.stopping,
                                    self.rates, rounds_trained=lambda: self.work.rounds_trained,
