@@ -17,9 +17,11 @@ test: setup
 	DROPFL_TEST_DEVICE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # The edit loop: the unit and engine tiers without the slow tests (tests/conftest.py says which file is in which
-# tier), one pytest-xdist worker per core, a file's tests on one worker. `make test` stays the full suite (CI).
+# tier), one pytest-xdist worker per core, a file's tests on one worker (a module's shared fixture is built once), and
+# 20 random cases per CLI fuzz test instead of 60 (tests/test_cli_fuzz.py). `make test` stays the full suite (CI).
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile -m "(unit or engine) and not slow" tests
+	DROPFL_FUZZ_EXAMPLES=20 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile \
+		-m "(unit or engine) and not slow" tests
 
 # Only the emulated Raspberry Pi (scripts/emulated-pi.sh): needs root, debootstrap, qemu-user-static, mosquitto and
 # the network (deb.debian.org, PyPI)

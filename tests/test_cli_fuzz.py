@@ -42,8 +42,10 @@ from coordinator import cli
 from coordinator.config import SECTIONS
 from edge_client import datasets, logs
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+# random cases per test beyond the @example ones: 60 (`make test`, CI); `make test-fast` (the edit loop) sets
+# DROPFL_FUZZ_EXAMPLES=20: the same properties and every @example, fewer random cases
+FUZZ = settings(max_examples=int(os.environ.get("DROPFL_FUZZ_EXAMPLES", "60")), deadline=None, derandomize=True,
+                database=None, suppress_health_check=list(HealthCheck))
 
 # --- the session: a real tiny run, a sandbox, stubs for everything that would reach a broker ---
 
