@@ -118,7 +118,9 @@ def main() -> None:
     start = time.perf_counter()
     run_simulation(ServerApp(server_fn=server_fn), ClientApp(client_fn=client_fn), num_supernodes=n,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": args.actors, "include_dashboard": False}})
+                                   # address "local": a Ray instance of its own, never another user's cluster
+                                   "init_args": {"num_cpus": args.actors, "include_dashboard": False,
+                                                 "address": "local"}})
     total = time.perf_counter() - start
     rounds = [{k: v for k, v in r.items() if k != "start"} for r in strategy.rounds]
     later = [r["seconds"] for r in rounds[1:] if r.get("results") == k] or [r["seconds"] for r in rounds]

@@ -67,6 +67,7 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -127,8 +128,23 @@ def agent_rate(model: torch.nn.Module, w: torch.Tensor, data: list, steps: int, 
     return steps / seconds
 
 
+def run_framework(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run another framework's script; past `timeout` seconds its whole process group (Ray's too) is killed and a
+    RuntimeError says so (a hung simulation is a fault of the run, recorded as such, never a rate)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise RuntimeError(f"{Path(cmd[1]).name} did not finish within {timeout:.0f} s (its process group was "
+                           f"killed):\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def flower_rate(data_dir: str, steps: int, rounds: int, workload: str = "mimic-fmnist", batch: int = BATCH,
-                lr: float = 0.01, per_round: int = 0) -> dict:
+                lr: float = 0.01, per_round: int = 0, timeout: float | None = None) -> dict:
     out = Path(data_dir) / "flower.json"
     cmd = [str(FLOWER_PY), str(HERE / "flower_sim.py"), "--data", data_dir, "--steps", str(steps),
            "--rounds", str(rounds), "--out", str(out), "--workload", workload, "--batch", str(batch),
@@ -136,7 +152,7 @@ def flower_rate(data_dir: str, steps: int, rounds: int, workload: str = "mimic-f
     # Ray starts its workers at niceness 15 by default; with other work on the machine that would
     # slow Flower down unfairly, so its actors run at the same priority as our processes.
     env = {**os.environ, "RAY_worker_niceness": "0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = run_framework(cmd, env, timeout)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"Flower simulation failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -292,12 +308,13 @@ def train_rate(t: SimTransport, w: torch.Tensor, wl: Workload, clients: list[int
     return len(tasks) * steps / seconds
 
 
-def pfl_rate(data_dir: str, name: str, wl: Workload, steps: int, rounds: int, threads: int) -> dict:
+def pfl_rate(data_dir: str, name: str, wl: Workload, steps: int, rounds: int, threads: int,
+             timeout: float | None = None) -> dict:
     out = Path(data_dir) / "pfl.json"
     cmd = [str(PFL_PY), str(HERE / "pfl_sim.py"), "--data", data_dir, "--workload", name, "--steps", str(steps),
            "--batch", str(wl.batch), "--lr", str(wl.lr), "--per-round", str(wl.per_round), "--rounds", str(rounds),
            "--threads", str(threads), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_framework(cmd, None, timeout)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"pfl simulation failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -406,9 +423,10 @@ def run_workloads(args: argparse.Namespace) -> None:
                 try:
                     if e == "flower":
                         run = flower_rate(s["folder"], steps, args.flower_rounds, name, wl.batch, wl.lr,
-                                          wl.per_round if wl.per_round < wl.clients else 0)
+                                          wl.per_round if wl.per_round < wl.clients else 0, args.framework_timeout)
                     elif e == "pfl":
-                        run = pfl_rate(s["folder"], name, wl, steps, args.flower_rounds, args.pfl_threads)
+                        run = pfl_rate(s["folder"], name, wl, steps, args.flower_rounds, args.pfl_threads,
+                                       args.framework_timeout)
                 except RuntimeError as err:   # recorded, not retried: the other engines go on
                     s["failed"][e] = str(err)
                     print(f"{name}: {e} failed: {err}", flush=True)
@@ -583,6 +601,9 @@ def main() -> None:
     ap.add_argument("--pfl-threads", type=int, default=1,
                     help="with --workload: torch threads of the pfl-research process (default 1: one process, as "
                          "loop_1t and generic_1t)")
+    ap.add_argument("--framework-timeout", type=float, default=900,
+                    help="with --workload: seconds a Flower or pfl run may take before it is killed and recorded as "
+                         "failed (default 900)")
     ap.add_argument("--pfl-runs", type=int, default=2, help="with --workload: pfl-research simulations per workload")
     ap.add_argument("--setup-pfl", action="store_true",
                     help="with --workload: create benchmarks/.venv-pfl (setup_pfl.sh) if it is missing, recording "

@@ -70,3 +70,8 @@ def test_an_unknown_workload_is_a_one_line_error_before_anything_runs(tmp_path):
         sim_throughput.run_workloads(Namespace(workload="mimic-fmnist,nope", out=str(tmp_path)))
     assert str(e.value).startswith("sim_throughput: error: --workload nope: unknown; one of mimic-fmnist")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_framework_run_that_hangs_is_killed_and_said_so():
+    with pytest.raises(RuntimeError, match=r"did not finish within 1 s \(its process group was killed\)"):
+        sim_throughput.run_framework([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
