@@ -538,7 +538,7 @@ def workloads_markdown(o: dict) -> str:
              f"{s['seconds'] / 60:.1f} min in all.", "",
              f"Statistic: {s['statistic']}. {s['repeats']} repeats; Flower and pfl: {s['flower_runs']} and "
              f"{s['pfl_runs']} runs of {s['framework_rounds']} rounds each. Flower: {s['flower_status']}. "
-             f"pfl: {s['pfl_status']}.", "",
+             f"pfl: {s['pfl_status']}." + (f" Note: {s['note']}" if s.get("note") else ""), "",
              f"Cores each engine uses: loop, generic and generic_sliced run in this process on {m['threads']} torch "
              "thread(s); native and torch_ops in 2 worker processes of 1 thread; Flower in 2 Ray actors of 1 CPU; "
              "pfl in one process. So × Flower compares engines that may use different numbers of cores.", ""]
@@ -559,7 +559,8 @@ def workloads_markdown(o: dict) -> str:
             v = row["client_steps_per_s"]
             what = r["engines"].get(e, e)
             if v is None:
-                why = r["failed"].get(e, "").splitlines()[0] if e in r["failed"] else "not measured"
+                err = r["failed"].get(e, "").splitlines() or ["not measured"]
+                why = next((ln.strip() for ln in err if "Error:" in ln), err[0])   # the first (innermost) error
                 lines.append(f"| {e} | {what} | {why} | |" + (" |" if one else "") + " | | |")
                 continue
             lines.append(f"| {e} | `{what}` | {v:,.1f} | {f(row['x_loop'], '.2f')} | "
