@@ -7,15 +7,18 @@ trial beside two x86 agents whose strategy (FedAvgM) and model (ResNet-8 with Ba
 package; the arm64 agent must aggregate in every round (its binding, the plugin's version and code digest included,
 equals the coordinator's) and the trial's final model must equal the same federation simulated on x86 within the
 script's tolerance. With `--engine-tests` it also runs a few of the engine's equivalence tests on arm64 under qemu,
-in a separate venv with PyPI's torch 2.13.0 (the second test here). An agent with another version of a plugin is
-refused: that is tested on x86 (tests/test_field_plugins.py, tests/test_plugin_identity.py).
+in a separate venv with PyPI's torch 2.13.0 (the second test here; one run of the script serves both tests). An
+agent with another version of a plugin is refused: that is tested on x86 (tests/test_field_plugins.py,
+tests/test_plugin_identity.py).
 
 Opt-in: it runs only with DROPFL_TEST_DEVICE=1 (`make test-device`), as root, with debootstrap, qemu-user-static
 and mosquitto, and with deb.debian.org and pypi.org reachable; otherwise it skips and says which is missing.
 Measured on this project's 2 x86 cores shared with other jobs, 2026-11-23 (pytest wall time): a cold run 893 s
 (15 min: debootstrap 75 s, apt inside 493 s, then provisioning, trial, x86 simulation and the steps/s benchmark;
-an earlier cold build under load ~13 took 374 s + 868 s), a cached run 240 s (4 min). That is within 20 minutes, but
-it needs root and the network, so it is opt-in. Results: benchmarks/results/emulated_pi.md.
+an earlier cold build under load ~13 took 374 s + 868 s), a cached run 240 s (4 min). With the plugin trial and
+--engine-tests, 2026-11-27, load ~8: the engine tests' venv (torch 2.13.0 and its CUDA libraries, the project's
+dependencies) is made once under qemu in 1019 s; then a cached run of this module took 303 s (5 min). That is within
+20 minutes, but it needs root and the network, so it is opt-in. Results: benchmarks/results/emulated_pi.md.
 """
 
 from __future__ import annotations
