@@ -508,7 +508,7 @@ if results:
 
 **{res['emulation']}.** {res['date']}, load average {res['load_average_1_5_15']} (other jobs share the
 cores). Command: `{res['command']}` (scripts/emulated-pi.sh). The rootfs is cached: its build times were recorded
-when it was built ({b['finished']}); this run (provisioning, trial, simulation, benchmarks) took {res['run_wall_s']} s,
+when it was built ({b['finished']}); this run (provisioning, trial, simulation, benchmarks{', engine tests' if 'engine_tests' in res else ''}) took {res['run_wall_s']} s,
 so a cold run takes about the build times plus that.
 
 | what | value |
@@ -521,7 +521,7 @@ so a cold run takes about the build times plus that.
 | arm64 agent: time from start to online (its status at the coordinator) | {res['agent_start_to_online_s']} s |
 | arm64 agent: peak RSS (of the qemu process running it, GNU time: includes qemu's own translation memory) | {res['agent_peak_rss_mib']} MiB |
 | {s['model']} local training ({s['steps_timed']} steps, 1 thread, batch 16): arm64 under qemu, QEMU_CPU={qemu_cpu} | {s['arm64_qemu']} steps/s (torch {s['torch_arm64']}, Debian's) |
-| the same under qemu's default CPU (no QEMU_CPU) | {s['arm64_qemu_default_cpu']} steps/s; {qemu_cpu} is {s['cortex_a76_over_default_cpu']}× faster |
+| the same under qemu's default CPU (no QEMU_CPU) | {s['arm64_qemu_default_cpu']} steps/s; {qemu_cpu} / default = {s['cortex_a76_over_default_cpu']} |
 | the same on x86, same run (natively, not emulated) | {s['x86']} steps/s (torch {s['torch_x86']}, the x86 venv's); x86 / emulated arm64 = {s['x86_over_arm64']} |
 
 Trial: `--model {model} --algo {algo}`, 3 clients ({rounds} rounds, {steps} steps), FMNIST shards, clients 0 and 1
