@@ -37,10 +37,12 @@ listed workloads of benchmarks/workloads.py side by side in one run, every engin
                  round, batch 10, 5 steps (one epoch)
 
   loop       dropfl's per-client loop (SimTransport engine="loop"), --threads torch threads
-  generic    the generic batched engine (coordinator/sim/functional.py, torch.func), the one SimTransport runs
-             for a model without a hand-written batched forward; on mimic-fmnist forced in (make_engine)
-  loop_1t, generic_1t  the same two on 1 torch thread (where --threads is not 1): on a loaded machine an
-             OpenMP team of 2 threads waits for its slower thread at every op
+  generic    the generic batched engine (coordinator/sim/functional.py GenericEngine, torch.func), the one
+             SimTransport runs for a model without a hand-written batched forward: the round in 2 slices, in 2
+             worker processes of 1 thread; on mimic-fmnist forced in (make_engine)
+  loop_1t    the loop on 1 torch thread (where --threads is not 1): on a loaded machine an OpenMP team of 2
+             threads waits for its slower thread at every op
+  generic_1t the generic engine's computation (FunctionalEngine) of the whole round in this process, 1 thread
   generic_sliced  the same engine given the round's clients in run_round calls of --generic-slice (10)
              clients: what a smaller computation per call would give (a setting of the benchmark)
   native     mimic-fmnist only: the hand-written batched engine with its native kernels (this CPU's default)
@@ -86,7 +88,7 @@ from workloads import WORKLOADS, PflCNN, Workload, resnet8  # noqa: E402
 
 from coordinator.sim import kernels  # noqa: E402
 from coordinator.sim.batched import BatchedEngine  # noqa: E402
-from coordinator.sim.functional import FunctionalEngine  # noqa: E402
+from coordinator.sim.functional import FunctionalEngine, GenericEngine  # noqa: E402
 from coordinator.sim.transport import SimTransport  # noqa: E402
 from edge_client.datasets import load_fmnist  # noqa: E402
 from edge_client.models import SeededDropout, build_model, get_flat  # noqa: E402
@@ -262,7 +264,7 @@ def dropfl_engines(name: str, model: torch.nn.Module, data: list, threads: int) 
         ts["generic_1t"] = SimTransport(model, data, "batched",
                                         make_engine=lambda m, d: FunctionalEngine(m, d, "cpu", threads=1))
     if name == "mimic-fmnist":
-        ts["generic"] = SimTransport(model, data, "batched", make_engine=lambda m, d: FunctionalEngine(m, d, "cpu"))
+        ts["generic"] = SimTransport(model, data, "batched", make_engine=lambda m, d: GenericEngine(m, d, "cpu"))
         ts["native"] = SimTransport(model, data, "batched")
         t = SimTransport(model, data, "loop")
         t.batched = BatchedEngine(model, data, native=False)
@@ -354,9 +356,13 @@ def profile_generic(t: SimTransport, w: torch.Tensor, wl: Workload, steps: int) 
     from torch.profiler import ProfilerActivity, profile
     clients = cohort(wl, 1000)
     tasks = [TrainTask(client=c, round=1000, lr=wl.lr, batch_size=wl.batch, steps=steps) for c in clients]
+    engine = getattr(t.batched, "local", None)   # GenericEngine: its computation, in this process (1 thread)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        t.run_round(1000, w, tasks)
+        if engine is not None:
+            engine.run(w, tasks)
+        else:
+            t.run_round(1000, w, tasks)
         wall = time.perf_counter() - start
     avgs = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in avgs) / 1e6
@@ -539,8 +545,10 @@ def workloads_markdown(o: dict) -> str:
              f"Statistic: {s['statistic']}. {s['repeats']} repeats; Flower and pfl: {s['flower_runs']} and "
              f"{s['pfl_runs']} runs of {s['framework_rounds']} rounds each. Flower: {s['flower_status']}. "
              f"pfl: {s['pfl_status']}." + (f" Note: {s['note']}" if s.get("note") else ""), "",
-             f"Cores each engine uses: loop, generic and generic_sliced run in this process on {m['threads']} torch "
-             "thread(s); native and torch_ops in 2 worker processes of 1 thread; Flower in 2 Ray actors of 1 CPU; "
+             f"Cores each engine uses: the loop runs in this process on {m['threads']} torch thread(s) (loop_1t: "
+             "1); the engines' `what ran` says theirs (generic and generic_sliced: the generic engine's worker "
+             "processes, 1 thread each, where the run had them; generic_1t: its computation in this process on 1 "
+             "thread); native and torch_ops in 2 worker processes of 1 thread; Flower in 2 Ray actors of 1 CPU; "
              "pfl in one process. So × Flower compares engines that may use different numbers of cores.", ""]
     for name, r in o["workloads"].items():
         u = r["setup"]
@@ -570,8 +578,9 @@ def workloads_markdown(o: dict) -> str:
                      + (" |" if one else "") + " | | 100% |")
         p = r.get("profile_generic")
         if p:
-            lines += ["", f"Where the generic engine's time goes (torch.profiler, one round of {p['client_steps']} "
-                      f"client-steps: {p['wall_s']:.2f} s wall under the profiler; aten ops' self CPU time on the "
+            lines += ["", f"Where the generic engine's time goes (torch.profiler, its computation of one round of "
+                      f"{p['client_steps']} client-steps as one slice in this process, 1 thread: "
+                      f"{p['wall_s']:.2f} s wall under the profiler; aten ops' self CPU time on the "
                       f"calling thread {p['ops_self_cpu_s']:.2f} s; outside ops (Python, torch.func dispatch) "
                       f"{p['outside_ops_s']:.2f} s):", "",
                       "| kind | self CPU s | of wall |", "|---|---:|---:|"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coordinator.sim.batched import BatchedEngine, Evaluator
-from coordinator.sim.functional import FunctionalEngine
+from coordinator.sim.functional import GENERIC_SLICES, FunctionalEngine, GenericEngine
 from coordinator.sim.transport import SimTransport
 from edge_client.models import SeededDropout, build_model, get_flat
 from edge_client.trainer import TrainTask, local_train
@@ -164,10 +164,10 @@ def test_the_transport_trains_other_models_on_it() -> None:
     data = make_data([12, 20, 9], shape, torch.float32, seed=4)
     tasks = [TrainTask(client=c, round=0, lr=0.05, batch_size=8, epochs=1, seed=2) for c in (2, 0, 1)]
     transport = SimTransport(copy.deepcopy(model), data)
-    assert isinstance(transport.batched, FunctionalEngine)
+    assert isinstance(transport.batched, GenericEngine)
     assert transport.describe() == "batched (torch.func)"
     line, fields = transport.summary()
-    assert "torch.func" in line and fields["generic"] and fields["slices"] == 1
+    assert "torch.func" in line and fields["generic"] and fields["slices"] == GENERIC_SLICES
     got, _ = transport.run_round(0, w, tasks)
     assert transport.round_info() == {"engine": "batched (torch.func)"}
     ref, _ = SimTransport(copy.deepcopy(model), data, "loop").run_round(0, w, tasks)
@@ -200,3 +200,48 @@ def test_a_forward_torch_func_cannot_run_stays_on_the_loop() -> None:
         FunctionalEngine(Branchy(), make_data([4], (4,), torch.float32))
     transport = SimTransport(Branchy(), make_data([4], (4,), torch.float32))
     assert transport.batched is None and transport.describe() == "loop (no batched forward for Branchy)"
+
+
+def test_the_slices_give_the_same_bits_in_workers_and_in_this_process(caplog) -> None:
+    """GenericEngine (what SimTransport runs): the round in GENERIC_SLICES slices fixed by the tasks, so 2 worker
+    processes and none give the same bits; a model that does not pickle runs its slices here, said once."""
+    model, shape = make("resnet", torch.float32)
+    w = get_flat(model)
+    data = make_data([12, 20, 9, 16, 5], shape, torch.float32, seed=4)
+    tasks = [TrainTask(client=c, round=1, lr=0.05, batch_size=8, epochs=1, seed=2) for c in (3, 0, 4, 1, 2)]
+    start = {n: b.detach().clone() + 0.5 for n, b in model.named_buffers()}
+    here = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=0)
+    pooled = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=2)
+    try:
+        assert (here.details()["workers"], pooled.details()["workers"]) == (0, 2)
+        assert [len(p) for p in here.slices(tasks)] == [2, 3]
+        a, b = here.run(w, tasks, buffers=start), pooled.run(w, tasks, buffers=start)
+    finally:
+        pooled.close()
+    for x, y in zip(a, b):
+        assert torch.equal(x.delta, y.delta) and x.steps == y.steps and x.loss == y.loss
+        assert all(torch.equal(x.buffers[n], y.buffers[n]) for n in x.buffers)
+    for task, r in zip(tasks, a):   # and each slice is the loop's result to the stated tolerance
+        ref, _ = loop(model, w, data, task)
+        assert torch.allclose(r.delta, ref.delta, atol=F32_TOL, rtol=0)
+
+    class Local(nn.Module):   # defined in a function: pickle cannot name it, so no worker can build it
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3 * 8 * 8, 10)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1))
+
+    torch.manual_seed(0)
+    local = Local()
+    with caplog.at_level("WARNING", logger="dropfl.sim"):
+        engine = GenericEngine(local, data, device="cpu", workers=2)
+    assert engine.details()["workers"] == 0 and "Local does not pickle" in engine.details()["in_process"]
+    assert [r.message for r in caplog.records].count(
+        f"the generic engine runs its {GENERIC_SLICES} slices in this process, one after the other: "
+        f"{engine.details()['in_process']}") == 1
+    w2 = get_flat(local)
+    got = engine.run(w2, tasks)
+    ref = GenericEngine(copy.deepcopy(local), data, device="cpu", workers=0).run(w2, tasks)
+    assert all(torch.equal(x.delta, y.delta) for x, y in zip(got, ref))

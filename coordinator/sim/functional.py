@@ -31,6 +31,7 @@ each client its own mask: `randomness="different"`), so a model with it is not r
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -43,6 +44,8 @@ from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
+
+log = logging.getLogger("dropfl.sim")
 
 
 class _Masks:
@@ -81,19 +84,26 @@ class FunctionalEngine:
     else changes the process's setting. Raises TypeError (the transport then trains on the loop) where
     torch.func cannot run the model's forward and backward (checked here on two samples)."""
 
-    def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
-                 device: str | None = "auto", threads: int | None = None):
+    def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                 device: str | None = "auto", threads: int | None = None,
+                 packed: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None):
+        # `packed`: (x_all, y_all, sizes), the clients' data already concatenated (a worker process of
+        # `GenericEngine` gets the parent's, in shared memory), instead of `client_data`
         self.device = _engine_device(device)
         if is_cuda(self.device):
             cuda_deterministic()   # before anything reaches the GPU
         self.threads = threads or torch.get_num_threads()
         self.model = _strip_generators(model).to(self.device).train()
-        self.sizes = [len(y) for _, y in client_data]
+        if packed is None:
+            assert client_data is not None
+            packed = (torch.cat([x for x, _ in client_data]), torch.cat([y for _, y in client_data]),
+                      [len(y) for _, y in client_data])
+        self.sizes = list(packed[2])
         self.offsets = [0]
         for n in self.sizes[:-1]:
             self.offsets.append(self.offsets[-1] + n)
-        self.x_all = torch.cat([x for x, _ in client_data]).to(self.device)
-        self.y_all = torch.cat([y for _, y in client_data]).to(self.device)
+        self.x_all = packed[0].to(self.device)
+        self.y_all = packed[1].to(self.device)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.shapes = [p.shape for _, p in self.model.named_parameters()]
         self.buffers0 = {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -284,6 +294,110 @@ class FunctionalEngine:
 
     def close(self) -> None:
         """Nothing to stop: the engine runs in this process."""
+
+
+# --- the engine SimTransport runs: a round in slices, the slices in worker processes ----------------------------
+
+GENERIC_SLICES = 2   # on the CPU: a round's tasks in this many contiguous slices, whatever the number of workers
+
+
+_WORKER: FunctionalEngine | None = None
+
+
+def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, sizes: list[int]) -> None:
+    global _WORKER
+    from coordinator.sim.batched import _die_with_parent, _keep_freed_memory
+    _die_with_parent()
+    _keep_freed_memory()
+    torch.set_num_threads(1)
+    _WORKER = FunctionalEngine(model, None, "cpu", threads=1, packed=(x_all, y_all, sizes))
+
+
+def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask],
+                     buffers: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor | None, list[LocalResult]]:
+    """A slice's results, their deltas packed into one tensor for the trip back (batched.py `_train_in_worker`:
+    one shared-memory handover instead of one per tensor)."""
+    assert _WORKER is not None, "worker not initialised"
+    results = _WORKER.run(w_global, tasks, buffers)
+    if not results:
+        return None, results
+    packed = torch.stack([r.delta for r in results])
+    for r in results:
+        r.delta = None  # type: ignore[assignment]  # travels in `packed`
+    return packed, results
+
+
+class GenericEngine:
+    """The generic engine as `SimTransport` runs it: on the CPU a round's tasks in `GENERIC_SLICES` contiguous
+    slices, fixed by the task list alone, each slice one `FunctionalEngine` computation on 1 thread, the slices in
+    worker processes (one per slice, at most one per CPU: `batched.cpus()`), as the hand-written engine runs its
+    slices. So a run's bits do not depend on the number of workers: with one CPU, or a model that does not pickle
+    (a class defined inside a function), the slices run one after the other in this process, with the same bits
+    (said once as a warning). On CUDA one slice, in this process. Raises TypeError where torch.func cannot run the
+    model (the probe of `FunctionalEngine`, in this process, before any worker starts)."""
+
+    def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
+                 device: str | None = "auto", workers: int | None = None):
+        self.pool = None   # first: close() must work if __init__ raises below
+        cpu = _engine_device(device).type == "cpu"
+        self.local = FunctionalEngine(model, client_data, device, threads=1 if cpu else None)   # probes
+        self.device, self.threads = self.local.device, self.local.threads
+        self.groups = GENERIC_SLICES if cpu else 1
+        if workers is None:
+            from coordinator.sim.batched import cpus
+            workers = min(self.groups, cpus()) if cpu and cpus() > 1 else 0
+        self.in_process_reason = None
+        shipped = _strip_generators(model)   # the model as the workers get it (the engine's own copy holds lambdas)
+        if workers > 0:
+            import pickle
+            try:
+                pickle.dumps(shipped)
+            except Exception as e:   # noqa: BLE001 - whatever pickle raises for this model's objects
+                self.in_process_reason = f"{type(model).__name__} does not pickle ({type(e).__name__}: {e})"
+                log.warning("the generic engine runs its %d slices in this process, one after the other: %s",
+                            self.groups, self.in_process_reason)
+                workers = 0
+        self.workers = workers
+        if workers > 0:
+            from concurrent.futures import ProcessPoolExecutor
+
+            import torch.multiprocessing as tmp
+            self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
+                                            initargs=(shipped, self.local.x_all.share_memory_(),
+                                                      self.local.y_all.share_memory_(), self.local.sizes))
+
+    def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
+        """`groups` contiguous slices of the task list (`BatchedEngine.slices`' rule)."""
+        g = min(self.groups, max(len(tasks), 1))
+        bounds = [len(tasks) * i // g for i in range(g + 1)]
+        return [tasks[bounds[i]:bounds[i + 1]] for i in range(g) if bounds[i + 1] > bounds[i]]
+
+    def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
+            buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
+        """The tasks' results, in task order (`FunctionalEngine.run`, slice by slice)."""
+        parts = self.slices(tasks)
+        if self.pool is None:
+            return [r for p in parts for r in self.local.run(w_global, p, buffers)]
+        from coordinator.sim.batched import _unpack
+        futures = [self.pool.submit(_train_in_worker, w_global, p, buffers) for p in parts]
+        return [r for f in futures for r in _unpack(f.result())]
+
+    def describe(self) -> str:
+        return self.local.describe()
+
+    def details(self) -> dict:
+        out = self.local.details() | {"workers": self.workers, "slices": self.groups}
+        if self.in_process_reason:
+            out["in_process"] = self.in_process_reason
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _inverse(order: list[int]) -> list[int]:

@@ -58,9 +58,9 @@ class SimTransport:
                 try:
                     self.batched = (make_engine or BatchedEngine)(model, client_data)
                 except TypeError:  # no hand-written batched forward: the generic engine (torch.func)
-                    from coordinator.sim.functional import FunctionalEngine
+                    from coordinator.sim.functional import GenericEngine
                     try:
-                        self.batched = FunctionalEngine(model, client_data, device)
+                        self.batched = GenericEngine(model, client_data, device)
                     except TypeError as e:  # torch.func cannot run it either: the loop, said once
                         self.loop_reason = f"no batched forward for {type(model).__name__}"
                         log.warning("%s; its clients train on the reference loop", e)
