@@ -925,9 +925,7 @@ class BatchedEngine:
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
         """`groups` contiguous slices of the task list, fixed by the tasks alone (not by `workers`)."""
-        g = min(self.groups, max(len(tasks), 1))
-        bounds = [len(tasks) * i // g for i in range(g + 1)]
-        return [tasks[bounds[i]:bounds[i + 1]] for i in range(g) if bounds[i + 1] > bounds[i]]
+        return contiguous_slices(tasks, self.groups)
 
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask]) -> list[LocalResult]:
         results = self.run_parts([(w_global, p, None, None) for p in self.slices(tasks)])
@@ -962,6 +960,14 @@ class BatchedEngine:
 
     def __del__(self) -> None:
         self.close()
+
+
+def contiguous_slices(tasks: list, groups: int) -> list[list]:
+    """`groups` contiguous, near-equal slices of `tasks` (fewer where there are fewer tasks), in order: the rule by
+    which the batched engines cut a round, so that a client's computation depends on the tasks, not the workers."""
+    g = min(groups, max(len(tasks), 1))
+    bounds = [len(tasks) * i // g for i in range(g + 1)]
+    return [tasks[bounds[i]:bounds[i + 1]] for i in range(g) if bounds[i + 1] > bounds[i]]
 
 
 def _strip_generators(model: nn.Module) -> nn.Module:

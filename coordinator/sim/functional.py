@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from coordinator.sim.batched import _strip_generators
+from coordinator.sim.batched import _strip_generators, contiguous_slices
 from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import SeededDropout
@@ -368,9 +368,7 @@ class GenericEngine:
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
         """`groups` contiguous slices of the task list (`BatchedEngine.slices`' rule)."""
-        g = min(self.groups, max(len(tasks), 1))
-        bounds = [len(tasks) * i // g for i in range(g + 1)]
-        return [tasks[bounds[i]:bounds[i + 1]] for i in range(g) if bounds[i + 1] > bounds[i]]
+        return contiguous_slices(tasks, self.groups)
 
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
             buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
