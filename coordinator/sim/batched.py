@@ -835,7 +835,12 @@ def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], data: list[
     that handover cost more than training them (measured with py-spy on fedlaavg-fig8: the handover
     was ~40 % of the parent's samples). One tensor per slice is one handover."""
     assert _WORKER is not None, "worker not initialised"
-    results = _WORKER.train(w_global, tasks, data, start, terms)
+    return _pack(_WORKER.train(w_global, tasks, data, start, terms))
+
+
+def _pack(results: list[LocalResult]) -> tuple[torch.Tensor | None, list[LocalResult]]:
+    """A worker's results for the trip back: their deltas stacked into one tensor (`_train_in_worker`), `_unpack`'s
+    inverse."""
     if not results:
         return None, results
     packed = torch.stack([r.delta for r in results])

@@ -39,7 +39,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from coordinator.sim.batched import _strip_generators, contiguous_slices
+from coordinator.sim.batched import (
+    _die_with_parent,
+    _keep_freed_memory,
+    _pack,
+    _strip_generators,
+    _unpack,
+    contiguous_slices,
+    cpus,
+)
 from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import SeededDropout
@@ -306,7 +314,6 @@ _WORKER: FunctionalEngine | None = None
 
 def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, sizes: list[int]) -> None:
     global _WORKER
-    from coordinator.sim.batched import _die_with_parent, _keep_freed_memory
     _die_with_parent()
     _keep_freed_memory()
     torch.set_num_threads(1)
@@ -315,16 +322,10 @@ def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, siz
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask],
                      buffers: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor | None, list[LocalResult]]:
-    """A slice's results, their deltas packed into one tensor for the trip back (batched.py `_train_in_worker`:
-    one shared-memory handover instead of one per tensor)."""
+    """A slice's results, their deltas packed into one tensor for the trip back (batched.py `_pack`: one
+    shared-memory handover instead of one per tensor)."""
     assert _WORKER is not None, "worker not initialised"
-    results = _WORKER.run(w_global, tasks, buffers)
-    if not results:
-        return None, results
-    packed = torch.stack([r.delta for r in results])
-    for r in results:
-        r.delta = None  # type: ignore[assignment]  # travels in `packed`
-    return packed, results
+    return _pack(_WORKER.run(w_global, tasks, buffers))
 
 
 class GenericEngine:
@@ -344,12 +345,12 @@ class GenericEngine:
         self.device, self.threads = self.local.device, self.local.threads
         self.groups = GENERIC_SLICES if cpu else 1
         if workers is None:
-            from coordinator.sim.batched import cpus
-            workers = min(self.groups, cpus()) if cpu and cpus() > 1 else 0
+            n = cpus() if cpu else 1
+            workers = min(self.groups, n) if n > 1 else 0
         self.in_process_reason = None
-        shipped = _strip_generators(model)   # the model as the workers get it (the engine's own copy holds lambdas)
         if workers > 0:
             import pickle
+            shipped = _strip_generators(model)   # the model as the workers get it (the engine's copy holds lambdas)
             try:
                 pickle.dumps(shipped)
             except Exception as e:   # noqa: BLE001 - whatever pickle raises for this model's objects
@@ -376,7 +377,6 @@ class GenericEngine:
         parts = self.slices(tasks)
         if self.pool is None:
             return [r for p in parts for r in self.local.run(w_global, p, buffers)]
-        from coordinator.sim.batched import _unpack
         futures = [self.pool.submit(_train_in_worker, w_global, p, buffers) for p in parts]
         return [r for f in futures for r in _unpack(f.result())]
 
