@@ -271,10 +271,17 @@ def run_scenario(sc: Scenario, d: Path, cluster=None, cluster_victims: tuple[int
     ended: list[float] = []
     try:
         trial.start()
-        trial.start_coordinator()
-        # the fault: once round at_round's model is out (round at_round is open)
-        trial.wait_model(sc.at_round, timeout=sc.timeout_s)
-        ended.append(_fault(trial))
+        if sc.fault == "slow_uplink" and sc.at_round == 0:
+            # a link slow from the first upload on: limited before round 0 opens. Waiting for round 0's model
+            # raced the agent, whose logreg update went at loopback speed before `tc` took effect (it then sized
+            # round 1's chunks from that rate: a rate drop between uploads, docs/field-mode.md's bound)
+            ended.append(_fault(trial))
+            trial.start_coordinator()
+        else:
+            trial.start_coordinator()
+            # the fault: once round at_round's model is out (round at_round is open)
+            trial.wait_model(sc.at_round, timeout=sc.timeout_s)
+            ended.append(_fault(trial))
         rc = trial.wait_coordinator(timeout=max(sc.timeout_s - (time.monotonic() - t0), 30))
         assert rc == 0, f"coordinator exit {rc}:\n" + (d / "coordinator.log").read_text()[-3000:]
     finally:

@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,6 +148,7 @@ class Collection:
         self.layout: feddd.Layout | None = None  # the model's FedDD units, to decode sparse updates (MqttTransport)
         self.round: RoundState | None = None
         self.late = 0
+        self._late_logged: OrderedDict[tuple, None] = OrderedDict()  # messages logged by _late_between_rounds
         self.rejects: dict[str, int] = {}  # the run's rejected messages, by code (docs/protocol.md)
         self.max_update_bytes = field_checks.max_update_bytes(self.num_params)
         self.field_log = rundir_path / "field.jsonl"
@@ -164,6 +166,28 @@ class Collection:
         log.warning("%srejected %s of %s [%s]: %s", "" if r is None else f"round {r.t}: ", sub, device, code, reason,
                     extra={"fields": {"code": code, "device": device, "topic": sub,
                                       "round": None if r is None else r.t}})
+
+    def _late_between_rounds(self, device: str, sub: str, payload: bytes) -> None:
+        """A frame of an update, stats or decline that arrives while no round is open (before the first, or after
+        a round closed and before the next opens): never aggregated; counted in `late`, and logged as rejected
+        once per message (at its first frame seen here), as a late message within an open round is: an update
+        its agent sent is then never silently gone (tests/faultkit.py `nothing_lost_or_doubled`)."""
+        self.late += 1
+        try:
+            h, _ = wire.decode_frame(payload, self.limits)
+        except wire.WireError as e:
+            self.reject(device, sub, e.code, e.reason)
+            return
+        key = (h.run, h.round, h.client, h.kind, h.sha256)
+        if key in self._late_logged:
+            return
+        self._late_logged[key] = None
+        if len(self._late_logged) > self.limits.max_pending:
+            self._late_logged.popitem(last=False)
+        r = self.round
+        when = "before the first round opened" if r is None else f"after round {r.t} closed"
+        self.reject(device, sub, wire.WRONG_ROUND, f"{h.kind} of round {h.round} arrived {when} "
+                                                   "(late, stale or replayed)")
 
     def _wake(self) -> None:
         with self.wake:  # held already on paho's thread (an RLock); a caller without it (a test) takes it
@@ -256,7 +280,7 @@ class Collection:
         if kinds is None:
             return
         if r is None or r.closed:
-            self.late += 1
+            self._late_between_rounds(device, sub, payload)
             return
         try:
             m = self.reasm.add(payload, client=a.client, kinds=kinds,
