@@ -37,13 +37,15 @@ listed workloads of benchmarks/workloads.py side by side in one run, every engin
                  round, batch 10, 5 steps (one epoch)
 
   loop       dropfl's per-client loop (SimTransport engine="loop"), --threads torch threads
-  generic    the generic batched engine (coordinator/sim/functional.py GenericEngine, torch.func), the one
-             SimTransport runs for a model without a hand-written batched forward: the round in 2 slices, in 2
-             worker processes of 1 thread; on mimic-fmnist forced in (make_engine)
+  generic    the generic engine (coordinator/sim/functional.py GenericEngine), the one SimTransport runs for a
+             model without a hand-written batched forward: the round in 2 slices, in 2 worker processes of 1
+             thread, each slice in the mode its rule picks for the model (`choose_mode`: vmap over the clients
+             with torch.func, or per client with local_train); on mimic-fmnist forced in (make_engine)
+  generic_vmap  the same engine held to vmap (mode="vmap"): what torch.func gives where the rule chose per-client
   loop_1t    the loop on 1 torch thread (where --threads is not 1): on a loaded machine an OpenMP team of 2
              threads waits for its slower thread at every op
   generic_1t the generic engine's computation (FunctionalEngine) of the whole round in this process, 1 thread
-  generic_sliced  the same engine given the round's clients in run_round calls of --generic-slice (10)
+  generic_sliced  the same engine given the round's clients in run_round calls of --generic-slice (0: off)
              clients: what a smaller computation per call would give (a setting of the benchmark)
   native     mimic-fmnist only: the hand-written batched engine with its native kernels (this CPU's default)
   torch_ops  mimic-fmnist only: the hand-written batched engine in torch ops (no native kernels)
@@ -265,14 +267,18 @@ def dropfl_engines(name: str, model: torch.nn.Module, data: list, threads: int) 
                                         make_engine=lambda m, d: FunctionalEngine(m, d, "cpu", threads=1))
     if name == "mimic-fmnist":
         ts["generic"] = SimTransport(model, data, "batched", make_engine=lambda m, d: GenericEngine(m, d, "cpu"))
+        ts["generic_vmap"] = SimTransport(model, data, "batched",
+                                          make_engine=lambda m, d: GenericEngine(m, d, "cpu", mode="vmap"))
         ts["native"] = SimTransport(model, data, "batched")
         t = SimTransport(model, data, "loop")
         t.batched = BatchedEngine(model, data, native=False)
         ts["torch_ops"] = t
     else:
         ts["generic"] = SimTransport(model, data, "batched", device="cpu")
-    for e in ("generic", "generic_1t"):
-        if e in ts and ts[e].describe() != "batched (torch.func)":
+        ts["generic_vmap"] = SimTransport(model, data, "batched",
+                                          make_engine=lambda m, d: GenericEngine(m, d, "cpu", mode="vmap"))
+    for e in ("generic", "generic_vmap", "generic_1t"):
+        if e in ts and ts[e].describe() not in ("batched (torch.func)", "batched (per client)"):
             raise SystemExit(f"sim_throughput: error: {name}: the generic engine did not start "
                              f"(SimTransport runs {ts[e].describe()!r}); see the warning above")
     return ts
@@ -509,7 +515,7 @@ def run_workloads(args: argparse.Namespace) -> None:
         targets.append({"workload": name, "target": what, "goal": goal, "measured": v,
                         "met": None if v is None else v >= goal})
 
-    for e, loop in (("generic", "loop"), ("generic_sliced", "loop"), ("generic_1t", "loop_1t")):
+    for e, loop in (("generic", "loop"), ("generic_vmap", "loop"), ("generic_sliced", "loop"), ("generic_1t", "loop_1t")):
         target("mimic-fmnist", f"{e} ≥ 5× {loop}", e, loop, 5.0)
         for name in ("resnet8-cifar", "pfl-cifar10"):
             target(name, f"{e} ≥ 1.5× {loop}", e, loop, 1.5)
@@ -605,7 +611,7 @@ def main() -> None:
     ap.add_argument("--workload", metavar="NAMES",
                     help=f"the benchmark of record: {', '.join(WORKLOADS)} (comma-separated) or all, side by side; "
                          "writes sim_throughput_workloads.json/.md")
-    ap.add_argument("--generic-slice", type=int, default=10,
+    ap.add_argument("--generic-slice", type=int, default=0,
                     help="with --workload: also measure the generic engine on the round's clients in run_round "
                          "calls of this many (generic_sliced; 0: not)")
     ap.add_argument("--pfl-threads", type=int, default=1,

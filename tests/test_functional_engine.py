@@ -267,3 +267,65 @@ def test_float32_batchnorm_as_close_to_float64_as_the_loop() -> None:
         gen_err = (got[t.client].delta.double() - ref64.delta).abs().max().item()
         loop_err = (ref32.delta.double() - ref64.delta).abs().max().item()
         assert gen_err <= 2 * loop_err + 1e-7, (t.client, gen_err, loop_err)
+
+
+def test_the_mode_follows_the_models_flops_per_sample_never_timings() -> None:
+    """`choose_mode`: vmap for the small models (where one computation of K clients paid 2.4-3.2x here), per-client
+    from PER_CLIENT_FLOPS_PER_SAMPLE on (a width-16 ResNet at 3×32×32); the same answer every time; vmap on a GPU."""
+    from coordinator.sim.functional import PER_CLIENT_FLOPS_PER_SAMPLE, choose_mode, flops_per_sample
+    for name in MODELS:
+        model, shape = make(name, torch.float32)
+        x = torch.rand(2, *shape)
+        assert flops_per_sample(model, x) < PER_CLIENT_FLOPS_PER_SAMPLE
+        assert choose_mode(model, x, torch.device("cpu"))[0] == "vmap"
+    torch.manual_seed(0)
+    big, x = TinyResNet(width=16), torch.rand(2, 3, 32, 32)
+    modes = {choose_mode(big, x, torch.device("cpu")) for _ in range(3)}
+    assert len(modes) == 1 and next(iter(modes))[0] == "per-client" and "MFLOP per sample" in next(iter(modes))[1]
+    assert choose_mode(big, x, torch.device("cuda"))[0] == "vmap"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int) -> None:
+    """Per-client mode (a model above the FLOP rule's line): each client's delta, loss, steps and BatchNorm buffers are
+    `local_train`'s on one thread from the global weights and buffers, bit for bit, whatever its slice and the
+    number of workers; FedProx, SCAFFOLD, several epochs and an empty client included (`mixed_tasks`)."""
+    from coordinator.sim.functional import GenericEngine, PerClientEngine
+    torch.manual_seed(0)
+    model = TinyResNet(width=16)
+    w = get_flat(model)
+    data = make_data([19, 32, 8, 0, 5], (3, 32, 32), torch.float32, seed=6)
+    tasks = mixed_tasks(w, 8)
+    start = {n: b.detach().clone() + 0.25 for n, b in model.named_buffers()}
+    engine = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=workers)
+    try:
+        assert engine.mode == "per-client" and isinstance(engine.local, PerClientEngine)
+        assert engine.describe() == "batched (per client)" and engine.details()["workers"] == workers
+        got = engine.run(w, tasks, buffers=start)
+    finally:
+        engine.close()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for task, r in zip(tasks, got):
+            ref = local_train(copy.deepcopy(model), w, *data[task.client], task, buffers=start)
+            assert torch.equal(r.delta, ref.delta) and (r.loss, r.steps, r.num_samples) == \
+                (ref.loss, ref.steps, ref.num_samples)
+            assert all(torch.equal(r.buffers[n], ref.buffers[n]) for n in ref.buffers)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_the_transport_records_per_client_mode() -> None:
+    """SimTransport on a model above the rule's line: the generic engine in per-client mode, its name in the run's
+    records, and the round's updates within float tolerance of the loop (2 threads there, 1 here)."""
+    torch.manual_seed(0)
+    model = TinyResNet(width=16)
+    data = make_data([16, 16, 16], (3, 32, 32), torch.float32, seed=1)
+    transport = SimTransport(copy.deepcopy(model), data, engine="batched", device="cpu")
+    try:
+        assert transport.describe() == "batched (per client)"
+        assert transport.batched.details()["mode"] == "per-client"
+        assert "each client after client" in transport.summary()[0] and "does not pay" in transport.summary()[0]
+    finally:
+        transport.batched.close()

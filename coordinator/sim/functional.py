@@ -51,7 +51,7 @@ from coordinator.sim.batched import (
 from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import SeededDropout
-from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
+from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator, local_train
 
 log = logging.getLogger("dropfl.sim")
 
@@ -102,6 +102,8 @@ class FunctionalEngine:
     this process's setting when the engine is built), fixed so that a run's rounding does not follow whatever
     else changes the process's setting. Raises TypeError (the transport then trains on the loop) where
     torch.func cannot run the model's forward and backward (checked here on two samples)."""
+
+    mode = "vmap"
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]] | None,
                  device: str | None = "auto", threads: int | None = None,
@@ -311,10 +313,105 @@ class FunctionalEngine:
 
     def details(self) -> dict:
         return {"device": str(self.device), "workers": 0, "slices": 1, "native": False, "kernel": None,
-                "generic": True, "threads": self.threads}
+                "generic": True, "mode": self.mode, "threads": self.threads}
 
     def close(self) -> None:
         """Nothing to stop: the engine runs in this process."""
+
+
+# --- per client: the other way to compute a slice ----------------------------------------------------------------
+
+class PerClientEngine:
+    """A slice's clients one after the other, each with `local_train` (the reference loop's function) on a copy of
+    the model, on `threads` (1) thread(s): the way the generic engine computes a slice on the CPU where a model is
+    too big for vmap to pay (`choose_mode`). Each client starts from the global weights and buffers, so a client's
+    result depends on nothing else in its slice: it is `local_train`'s on one thread, bit for bit."""
+
+    mode = "per-client"
+
+    def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                 device: str | None = "cpu", threads: int | None = 1,
+                 packed: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None):
+        self.device = torch.device("cpu")
+        self.threads = threads or 1
+        self.model = _strip_generators(model).train()   # local_train gives each client's generator to its layers
+        if packed is None:
+            assert client_data is not None
+            packed = (torch.cat([x for x, _ in client_data]), torch.cat([y for _, y in client_data]),
+                      [len(y) for _, y in client_data])
+        self.x_all, self.y_all, self.sizes = packed[0], packed[1], list(packed[2])
+        self.offsets = [0]
+        for n in self.sizes[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.buffers0 = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self.last_buffers: dict[str, torch.Tensor] = {}
+
+    def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
+            buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
+        """The tasks' results, in task order; each client from `buffers` (None: the model's when the engine was
+        built), as `FunctionalEngine.run`."""
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        start = self.buffers0 if buffers is None else buffers
+        try:
+            out = []
+            for t in tasks:
+                lo, n = self.offsets[t.client], self.sizes[t.client]
+                out.append(local_train(self.model, w_global, self.x_all[lo:lo + n], self.y_all[lo:lo + n], t,
+                                       buffers=start or None))
+        finally:
+            torch.set_num_threads(saved)
+        self.last_buffers = {n: torch.stack([r.buffers[n] for r in out]) for n in start} if out and start else {}
+        return out
+
+    def describe(self) -> str:
+        return "batched (per client)"
+
+    def details(self) -> dict:
+        return {"device": "cpu", "workers": 0, "slices": 1, "native": False, "kernel": None, "generic": True,
+                "mode": self.mode, "threads": self.threads}
+
+    def close(self) -> None:
+        """Nothing to stop: the engine runs in this process."""
+
+
+# vmap over clients pays where a step is small (its ops' dispatch and Python dominate), and loses where it is
+# big (a grouped convolution of K clients ran slower than K plain ones). Measured on one thread each, side by side
+# (benchmarks/generic_mode.py, results/generic_mode.md): from 0.88 MFLOP per sample (training FLOPs) up, one
+# client after another was as fast or faster (dropfl's mlp 1.8x, LeNet 1.0x, ResNet-8 1.4x, pfl's CNN 1.5x);
+# at 0.01-0.22 MFLOP per sample vmap was 2.4-3.2x faster.
+PER_CLIENT_FLOPS_PER_SAMPLE = 0.5e6
+
+
+def flops_per_sample(model: nn.Module, x: torch.Tensor) -> float | None:
+    """FLOPs of one training step per sample (forward and backward of the cross-entropy on the 2 samples `x`,
+    torch's FlopCounterMode: matmuls and convolutions), on a copy of the model; None where it cannot run."""
+    from torch.utils.flop_counter import FlopCounterMode
+    m = _strip_generators(model).train()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            out = m(x)
+            F.cross_entropy(out, torch.zeros(len(x), dtype=torch.long)).backward()
+    except Exception:   # noqa: BLE001 - any failure: the rule cannot tell, the caller keeps vmap
+        return None
+    return counter.get_total_flops() / len(x)
+
+
+def choose_mode(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> tuple[str, str]:
+    """How the generic engine computes a slice, and why: "vmap" (`FunctionalEngine`) on a GPU and on the CPU for
+    models of fewer than PER_CLIENT_FLOPS_PER_SAMPLE FLOPs per sample, else "per-client" (`PerClientEngine`). A
+    function of the model and the input shape only (never of timings), so a run's bits do not depend on the load."""
+    if device.type != "cpu":
+        return "vmap", f"on {device.type}"
+    if len(x_all) == 0:
+        return "vmap", "no data"
+    x = x_all[:2] if len(x_all) > 1 else x_all[:1].expand(2, *x_all.shape[1:])
+    f = flops_per_sample(model, x)
+    if f is None:
+        return "vmap", "its FLOPs could not be counted"
+    if f >= PER_CLIENT_FLOPS_PER_SAMPLE:
+        return "per-client", f"{f / 1e6:.2f} MFLOP per sample and step, at least {PER_CLIENT_FLOPS_PER_SAMPLE / 1e6:g}"
+    return "vmap", f"{f / 1e6:.2f} MFLOP per sample and step, under {PER_CLIENT_FLOPS_PER_SAMPLE / 1e6:g}"
 
 
 # --- the engine SimTransport runs: a round in slices, the slices in worker processes ----------------------------
@@ -322,15 +419,17 @@ class FunctionalEngine:
 GENERIC_SLICES = 2   # on the CPU: a round's tasks in this many contiguous slices, whatever the number of workers
 
 
-_WORKER: FunctionalEngine | None = None
+_WORKER: FunctionalEngine | PerClientEngine | None = None
+MODES = {"vmap": FunctionalEngine, "per-client": PerClientEngine}
 
 
-def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, sizes: list[int]) -> None:
+def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, sizes: list[int],
+                 mode: str = "vmap") -> None:
     global _WORKER
     _die_with_parent()
     _keep_freed_memory()
     torch.set_num_threads(1)
-    _WORKER = FunctionalEngine(model, None, "cpu", threads=1, packed=(x_all, y_all, sizes))
+    _WORKER = MODES[mode](model, None, "cpu", threads=1, packed=(x_all, y_all, sizes))
 
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask],
@@ -343,18 +442,29 @@ def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask],
 
 class GenericEngine:
     """The generic engine as `SimTransport` runs it: on the CPU a round's tasks in `GENERIC_SLICES` contiguous
-    slices, fixed by the task list alone, each slice one `FunctionalEngine` computation on 1 thread, the slices in
+    slices, fixed by the task list alone, each slice computed on 1 thread in the `mode` that `choose_mode` picks
+    for the model (or the caller names): "vmap", one `FunctionalEngine` computation, or "per-client",
+    `PerClientEngine` (`local_train` client after client); the slices in
     worker processes (one per slice, at most one per CPU: `batched.cpus()`), as the hand-written engine runs its
     slices. So a run's bits do not depend on the number of workers: with one CPU, or a model that does not pickle
     (a class defined inside a function), the slices run one after the other in this process, with the same bits
-    (said once as a warning). On CUDA one slice, in this process. Raises TypeError where torch.func cannot run the
-    model (the probe of `FunctionalEngine`, in this process, before any worker starts)."""
+    (said once as a warning). On CUDA one slice, in this process, vmap. Raises TypeError where the mode is vmap and
+    torch.func cannot run the model (the probe of `FunctionalEngine`, in this process, before any worker starts)."""
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
-                 device: str | None = "auto", workers: int | None = None):
+                 device: str | None = "auto", workers: int | None = None, mode: str | None = None):
         self.pool = None   # first: close() must work if __init__ raises below
-        cpu = _engine_device(device).type == "cpu"
-        self.local = FunctionalEngine(model, client_data, device, threads=1 if cpu else None)   # probes
+        dev = _engine_device(device)
+        cpu = dev.type == "cpu"
+        if mode is None:
+            x0 = torch.cat([x[:2] for x, _ in client_data]) if client_data else torch.empty(0)
+            mode, self.mode_reason = choose_mode(model, x0, dev)
+        else:
+            if mode not in MODES or (mode == "per-client" and not cpu):
+                raise ValueError(f"generic engine mode {mode!r}: one of {', '.join(MODES)} (per-client on the CPU)")
+            self.mode_reason = "chosen by the caller"
+        self.mode = mode
+        self.local = MODES[mode](model, client_data, device, threads=1 if cpu else None)   # vmap: probes
         self.device, self.threads = self.local.device, self.local.threads
         self.groups = GENERIC_SLICES if cpu else 1
         if workers is None:
@@ -378,7 +488,7 @@ class GenericEngine:
             import torch.multiprocessing as tmp
             self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
                                             initargs=(shipped, self.local.x_all.share_memory_(),
-                                                      self.local.y_all.share_memory_(), self.local.sizes))
+                                                      self.local.y_all.share_memory_(), self.local.sizes, mode))
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
         """`groups` contiguous slices of the task list (`BatchedEngine.slices`' rule)."""
@@ -397,7 +507,8 @@ class GenericEngine:
         return self.local.describe()
 
     def details(self) -> dict:
-        out = self.local.details() | {"workers": self.workers, "slices": self.groups}
+        out = self.local.details() | {"workers": self.workers, "slices": self.groups, "mode": self.mode,
+                                      "mode_reason": self.mode_reason}
         if self.in_process_reason:
             out["in_process"] = self.in_process_reason
         return out

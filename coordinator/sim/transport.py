@@ -83,10 +83,15 @@ class SimTransport:
         if self.batched is not None:
             d = self.batched.details()
             fields |= d
-            text = f"a round's clients as one computation on {d['device']}"
+            per_client = d.get("generic") and d.get("mode") == "per-client"
+            text = f"a round's clients in {d['slices']} slices on {d['device']}, each client after client" \
+                if per_client else f"a round's clients as one computation on {d['device']}"
             if d["workers"]:
                 text += f", {d['workers']} worker processes"
-            if d.get("generic"):
+            if per_client:
+                text += (" (local_train on 1 thread; no hand-written batched forward for this model, and vmap over "
+                         f"its clients does not pay for it: {d.get('mode_reason')})")
+            elif d.get("generic"):
                 text += ", torch.func (no hand-written batched forward for this model)"
             if d["native"]:
                 text += ", native LeNet kernels where their runtime checks pass (each round's engine says which ran)"
