@@ -84,6 +84,28 @@ def _nchw_input(layer: nn.Module):
     return lambda x: forward(layer, x.contiguous())
 
 
+def _packed_data(client_data: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                 packed: tuple[torch.Tensor, torch.Tensor, list[int]] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The clients' samples and labels concatenated (x_all, y_all), each client's size and its first row: from
+    `client_data`, or from `packed` (x_all, y_all, sizes), as a worker process of `GenericEngine` gets them."""
+    if packed is None:
+        assert client_data is not None
+        packed = (torch.cat([x for x, _ in client_data]), torch.cat([y for _, y in client_data]),
+                  [len(y) for _, y in client_data])
+    sizes = list(packed[2])
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n)
+    return packed[0], packed[1], sizes, offsets
+
+
+def _two_samples(x: torch.Tensor) -> torch.Tensor:
+    """The first two samples of `x` (the first twice where it has one): a probe's batch, two rows so that
+    BatchNorm has a batch statistic."""
+    return x[:2] if len(x) > 1 else x[:1].expand(2, *x.shape[1:])
+
+
 def _engine_device(requested: str | None) -> torch.device:
     """--sim-device for a model without a hand-written forward: auto = a GPU where torch sees one, else the CPU."""
     if requested in (None, "auto"):
@@ -115,16 +137,8 @@ class FunctionalEngine:
             cuda_deterministic()   # before anything reaches the GPU
         self.threads = threads or torch.get_num_threads()
         self.model = _strip_generators(model).to(self.device).train()
-        if packed is None:
-            assert client_data is not None
-            packed = (torch.cat([x for x, _ in client_data]), torch.cat([y for _, y in client_data]),
-                      [len(y) for _, y in client_data])
-        self.sizes = list(packed[2])
-        self.offsets = [0]
-        for n in self.sizes[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.x_all = packed[0].to(self.device)
-        self.y_all = packed[1].to(self.device)
+        x_all, y_all, self.sizes, self.offsets = _packed_data(client_data, packed)
+        self.x_all, self.y_all = x_all.to(self.device), y_all.to(self.device)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.shapes = [p.shape for _, p in self.model.named_parameters()]
         self.buffers0 = {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -173,7 +187,7 @@ class FunctionalEngine:
         torch.func runs the model (TypeError where it does not, with torch's reason)."""
         if len(self.y_all) == 0:
             return
-        x = self.x_all[:2] if len(self.y_all) > 1 else self.x_all[:1].expand(2, *self.x_all.shape[1:])
+        x = _two_samples(self.x_all)
         y = torch.zeros(2, dtype=torch.long, device=self.device)
         self.masks.record = []
         try:
@@ -335,16 +349,8 @@ class PerClientEngine:
         self.device = torch.device("cpu")
         self.threads = threads or 1
         self.model = _strip_generators(model).train()   # local_train gives each client's generator to its layers
-        if packed is None:
-            assert client_data is not None
-            packed = (torch.cat([x for x, _ in client_data]), torch.cat([y for _, y in client_data]),
-                      [len(y) for _, y in client_data])
-        self.x_all, self.y_all, self.sizes = packed[0], packed[1], list(packed[2])
-        self.offsets = [0]
-        for n in self.sizes[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
+        self.x_all, self.y_all, self.sizes, self.offsets = _packed_data(client_data, packed)
         self.buffers0 = {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        self.last_buffers: dict[str, torch.Tensor] = {}
 
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
             buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
@@ -361,7 +367,6 @@ class PerClientEngine:
                                        buffers=start or None))
         finally:
             torch.set_num_threads(saved)
-        self.last_buffers = {n: torch.stack([r.buffers[n] for r in out]) for n in start} if out and start else {}
         return out
 
     def describe(self) -> str:
@@ -405,8 +410,7 @@ def choose_mode(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> 
         return "vmap", f"on {device.type}"
     if len(x_all) == 0:
         return "vmap", "no data"
-    x = x_all[:2] if len(x_all) > 1 else x_all[:1].expand(2, *x_all.shape[1:])
-    f = flops_per_sample(model, x)
+    f = flops_per_sample(model, _two_samples(x_all))
     if f is None:
         return "vmap", "its FLOPs could not be counted"
     if f >= PER_CLIENT_FLOPS_PER_SAMPLE:
@@ -456,8 +460,8 @@ class GenericEngine:
         self.pool = None   # first: close() must work if __init__ raises below
         dev = _engine_device(device)
         cpu = dev.type == "cpu"
-        if mode is None:
-            x0 = torch.cat([x[:2] for x, _ in client_data]) if client_data else torch.empty(0)
+        if mode is None:   # the rule's probe needs two samples of one client (the first that has any)
+            x0 = next((x[:2] for x, _ in client_data if len(x)), torch.empty(0))
             mode, self.mode_reason = choose_mode(model, x0, dev)
         else:
             if mode not in MODES or (mode == "per-client" and not cpu):
