@@ -82,7 +82,8 @@ def main() -> None:
              "computation per step) and by `local_train` client after client; median of 3 interleaved repeats. "
              f"The rule's line: {PER_CLIENT_FLOPS_PER_SAMPLE / 1e6:g} MFLOP per sample (training FLOPs, "
              "FlopCounterMode).", "",
-             "| model | MFLOP / sample | vmap client-steps/s | per-client client-steps/s | vmap ÷ per-client | rule picks |",
+             "| model | MFLOP / sample | vmap client-steps/s | per-client client-steps/s | vmap ÷ per-client "
+             "| rule picks |",
              "|---|---:|---:|---:|---:|---|"]
     for name, f, vm, pc in rows:
         pick = "per-client" if f >= PER_CLIENT_FLOPS_PER_SAMPLE else "vmap"

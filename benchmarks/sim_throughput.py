@@ -515,7 +515,8 @@ def run_workloads(args: argparse.Namespace) -> None:
         targets.append({"workload": name, "target": what, "goal": goal, "measured": v,
                         "met": None if v is None else v >= goal})
 
-    for e, loop in (("generic", "loop"), ("generic_vmap", "loop"), ("generic_sliced", "loop"), ("generic_1t", "loop_1t")):
+    for e, loop in (("generic", "loop"), ("generic_vmap", "loop"), ("generic_sliced", "loop"),
+                    ("generic_1t", "loop_1t")):
         target("mimic-fmnist", f"{e} ≥ 5× {loop}", e, loop, 5.0)
         for name in ("resnet8-cifar", "pfl-cifar10"):
             target(name, f"{e} ≥ 1.5× {loop}", e, loop, 1.5)
