@@ -858,7 +858,30 @@ def _unpack(packed: tuple[torch.Tensor | None, list[LocalResult]]) -> list[Local
     return results
 
 
-class BatchedEngine:
+class PoolOwner:
+    """What both batched engines share: `self.pool`, the worker processes (None: the slices run in this process),
+    started by `start_pool` and stopped by `close` (or when the engine is collected). A class attribute
+    first: `close` works on an engine whose __init__ raised before its pool started."""
+
+    pool: ProcessPoolExecutor | None = None
+
+    def start_pool(self, workers: int, initializer, initargs: tuple) -> None:
+        """`workers` spawned processes (spawn: torch's threads and a CUDA context do not survive a fork), each
+        prepared once by `initializer(*initargs)` (the model, and the data in shared memory)."""
+        import torch.multiprocessing as tmp
+        self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=initializer,
+                                        initargs=initargs)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class BatchedEngine(PoolOwner):
     """Runs a round's tasks as `groups` batched slices on `workers` processes (0 = in this process).
 
     Data is concatenated once ([Σ n_i, ...]) and handed to the workers once (shared memory); a round
@@ -873,7 +896,6 @@ class BatchedEngine:
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  workers: int | None = None, groups: int = 2, device: str | None = "auto",
                  native: bool | str = True):
-        self.pool: ProcessPoolExecutor | None = None  # first: close() must work if __init__ raises below
         batched_forward(model)  # a model without one is refused here, before any worker starts
         def refuse_workers(dev: str | None) -> None:   # its worker processes would train on the CPU
             if workers and dev not in (None, "auto") and torch.device(dev).type != "cpu":
@@ -905,13 +927,11 @@ class BatchedEngine:
         self.groups, self.workers = max(1, groups), workers
         self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant) if workers == 0 else None
         if workers > 0:
-            import torch.multiprocessing as tmp
             # the first-layer kernel's split images, made here once and shared like the data
             x_split = split_for(model, x_all, self.native)
-            self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
-                                            initargs=(model, x_all.share_memory_(), y_all.share_memory_(),
-                                                      offsets, sizes, threads, variant,
-                                                      None if x_split is None else x_split.share_memory_()))
+            self.start_pool(workers, _init_worker, (model, x_all.share_memory_(), y_all.share_memory_(), offsets,
+                                                    sizes, threads, variant,
+                                                    None if x_split is None else x_split.share_memory_()))
 
     def describe(self) -> str:
         """What trains the tasks, as recorded in metrics.jsonl's `engine`: "batched+native(<variant>)"
@@ -957,14 +977,6 @@ class BatchedEngine:
             return [self.local.train(*p) for p in parts]
         futures = [self.pool.submit(_train_in_worker, *p) for p in parts]
         return [_unpack(f.result()) for f in futures]
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def contiguous_slices(tasks: list, groups: int) -> list[list]:

@@ -40,6 +40,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from coordinator.sim.batched import (
+    PoolOwner,
     _die_with_parent,
     _keep_freed_memory,
     _pack,
@@ -444,7 +445,7 @@ def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask],
     return _pack(_WORKER.run(w_global, tasks, buffers))
 
 
-class GenericEngine:
+class GenericEngine(PoolOwner):
     """The generic engine as `SimTransport` runs it: on the CPU a round's tasks in `GENERIC_SLICES` contiguous
     slices, fixed by the task list alone, each slice computed on 1 thread in the `mode` that `choose_mode` picks
     for the model (or the caller names): "vmap", one `FunctionalEngine` computation, or "per-client",
@@ -457,7 +458,6 @@ class GenericEngine:
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  device: str | None = "auto", workers: int | None = None, mode: str | None = None):
-        self.pool = None   # first: close() must work if __init__ raises below
         dev = _engine_device(device)
         cpu = dev.type == "cpu"
         if mode is None:   # the rule's probe needs two samples of one client (the first that has any)
@@ -487,12 +487,8 @@ class GenericEngine:
                 workers = 0
         self.workers = workers
         if workers > 0:
-            from concurrent.futures import ProcessPoolExecutor
-
-            import torch.multiprocessing as tmp
-            self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=_init_worker,
-                                            initargs=(shipped, self.local.x_all.share_memory_(),
-                                                      self.local.y_all.share_memory_(), self.local.sizes, mode))
+            self.start_pool(workers, _init_worker, (shipped, self.local.x_all.share_memory_(),
+                                                    self.local.y_all.share_memory_(), self.local.sizes, mode))
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
         """`groups` contiguous slices of the task list (`BatchedEngine.slices`' rule)."""
@@ -516,14 +512,6 @@ class GenericEngine:
         if self.in_process_reason:
             out["in_process"] = self.in_process_reason
         return out
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def _inverse(order: list[int]) -> list[int]:
