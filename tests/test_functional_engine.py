@@ -249,10 +249,14 @@ def test_the_slices_give_the_same_bits_in_workers_and_in_this_process(caplog) ->
 
 def test_float32_batchnorm_as_close_to_float64_as_the_loop() -> None:
     """A ResNet with BatchNorm at CIFAR size (width 16, 3×32×32, batch 32, 2 steps; the example ResNet-8's
-    layers): the engine's float32 updates are within 1e-5 of the loop's, and as far from the float64 result as
-    the loop's (per client, at most 2× + 1e-7). Where the BatchNorm input stayed channels-last (before
-    `functional._nchw_input`), torch's less precise channels-last BatchNorm backward put the engine 30-400× farther
-    from float64 than the loop (3e-5 to 6e-5 of updates ~1e-2) and this failed."""
+    layers): the engine's float32 updates are within 1e-5 of the loop's, and over the clients as far from the
+    float64 result as the loop's (median over 4 clients at most 2× + 1e-7). Where the BatchNorm input stayed
+    channels-last (before `functional._nchw_input`), torch's less precise channels-last BatchNorm backward put every
+    client 30-400× farther from float64 than the loop (3e-5 to 6e-5 of updates ~1e-2; 8e-6 to 1.4e-5 here) and this
+    fails. One client alone can be farther: with torch's AVX2 or portable kernels (ATEN_CPU_CAPABILITY=avx2 or
+    default, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 machine, 1 thread) one of the 4 was
+    2.8e-6 or 4.2e-6 from float64 where the loop was 1e-7 or 9e-7, and the loop itself was 2e-6 from it for another:
+    float32 rounding decides some step differently in either path, hence the median."""
     torch.manual_seed(0)
     m32 = TinyResNet(width=16)
     m64 = copy.deepcopy(m32).double()
@@ -260,27 +264,47 @@ def test_float32_batchnorm_as_close_to_float64_as_the_loop() -> None:
     data64 = [(x.double(), y) for x, y in data32]
     tasks = [TrainTask(client=c, round=1, lr=0.05, batch_size=32, steps=2, seed=9) for c in range(4)]
     got = FunctionalEngine(m32, data32, device="cpu").run(get_flat(m32), tasks)
+    gen_err, loop_err = [], []
     for t in tasks:
         ref32, _ = loop(m32, get_flat(m32), data32, t)
         ref64, _ = loop(m64, get_flat(m64), data64, t)
         assert torch.allclose(got[t.client].delta, ref32.delta, atol=F32_TOL, rtol=0)
-        gen_err = (got[t.client].delta.double() - ref64.delta).abs().max().item()
-        loop_err = (ref32.delta.double() - ref64.delta).abs().max().item()
-        assert gen_err <= 2 * loop_err + 1e-7, (t.client, gen_err, loop_err)
+        gen_err.append((got[t.client].delta.double() - ref64.delta).abs().max().item())
+        loop_err.append((ref32.delta.double() - ref64.delta).abs().max().item())
+    median = lambda v: float(torch.tensor(v).median())   # noqa: E731
+    assert median(gen_err) <= 2 * median(loop_err) + 1e-7, (gen_err, loop_err)
 
 
 def test_the_mode_follows_the_models_flops_per_sample_never_timings() -> None:
-    """`choose_mode`: vmap for the small models (where one computation of K clients paid 2.4-3.2x here), per-client
-    from PER_CLIENT_FLOPS_PER_SAMPLE on (a width-16 ResNet at 3×32×32); the same answer every time; vmap on a GPU."""
-    from coordinator.sim.functional import PER_CLIENT_FLOPS_PER_SAMPLE, choose_mode, flops_per_sample
+    """`choose_mode`, a rule on the model's training FLOPs per sample (benchmarks/results/generic_mode.md): vmap for
+    the small models; vmap for a convolutional model under PER_CLIENT_FLOPS_PER_SAMPLE (mimic-cnn's LeNet), but
+    per-client from there on (a width-16 ResNet at 3×32×32); per-client for a model of linear layers from
+    PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE on (dropfl's mlp); the same answer every time; vmap on a GPU."""
+    from coordinator.sim.functional import (
+        PER_CLIENT_FLOPS_PER_SAMPLE,
+        PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE,
+        choose_mode,
+        training_flops,
+    )
+    cpu = torch.device("cpu")
     for name in MODELS:
         model, shape = make(name, torch.float32)
         x = torch.rand(2, *shape)
-        assert flops_per_sample(model, x) < PER_CLIENT_FLOPS_PER_SAMPLE
-        assert choose_mode(model, x, torch.device("cpu"))[0] == "vmap"
+        assert training_flops(model, x)[0] < PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE
+        assert choose_mode(model, x, cpu)[0] == "vmap"
+    lenet, x = build_model("mimic-cnn", (1, 28, 28)), torch.rand(2, 1, 28, 28)
+    f, conv = training_flops(lenet, x)
+    assert PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE < f < PER_CLIENT_FLOPS_PER_SAMPLE and conv > f / 2
+    assert choose_mode(lenet, x, cpu)[0] == "vmap"
+    mlp = build_model("mlp", (1, 28, 28))
+    f, conv = training_flops(mlp, x)
+    assert f >= PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE and conv == 0
+    mode, why = choose_mode(mlp, x, cpu)
+    assert mode == "per-client" and "0% in convolutions" in why
     torch.manual_seed(0)
     big, x = TinyResNet(width=16), torch.rand(2, 3, 32, 32)
-    modes = {choose_mode(big, x, torch.device("cpu")) for _ in range(3)}
+    assert training_flops(big, x)[0] >= PER_CLIENT_FLOPS_PER_SAMPLE
+    modes = {choose_mode(big, x, cpu) for _ in range(3)}
     assert len(modes) == 1 and next(iter(modes))[0] == "per-client" and "MFLOP per sample" in next(iter(modes))[1]
     assert choose_mode(big, x, torch.device("cuda"))[0] == "vmap"
 

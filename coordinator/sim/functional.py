@@ -31,6 +31,7 @@ each client its own mask: `randomness="different"`), so a model with it is not r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.overrides import TorchFunctionMode
 
 from coordinator.sim.batched import (
     PoolOwner,
@@ -83,6 +85,113 @@ def _nchw_input(layer: nn.Module):
     the engine is as close to float64 as the loop (tests/test_functional_engine.py). Costs one copy per layer."""
     forward = type(layer).forward
     return lambda x: forward(layer, x.contiguous())
+
+
+def _pool_args(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    """F.max_pool2d's arguments, bound by name (a call may pass any of them either way)."""
+    return input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
+
+
+class _ClientsMaxPool(torch.autograd.Function):
+    """`F.max_pool2d` of one client's batch [B, C, H, W], whose vmap rule pools every client's channels in one call
+    on the layout vmap's grouped convolutions give (physically [B, K·C, H, W], channels-last): a max pool is per
+    channel, so the client dimension only joins the channels (a view). Torch's own batching rule moves the client
+    dimension in front of the batch instead, which copies to NCHW, pools there (torch's NCHW max pool, the slower)
+    and leaves the next convolution and ReLU's backward mixed layouts to copy back: measured on mimic-cnn's LeNet
+    (15 clients, batch 16, 1 thread), the step's CPU time fell from 582 to 273 ms with this rule. The same values
+    and the same gradient routing (first maximum of each window), from torch's own pooling op; the layout of what
+    follows changes, so the next layers round as their kernels round on that layout (within the engine's
+    tolerance, docs/engine.md)."""
+
+    @staticmethod
+    def forward(x, args):
+        return F.max_pool2d(x, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.args = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):   # outside vmap (not how the engine calls it): torch's pool, differentiated
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            return torch.autograd.grad(F.max_pool2d(x, *ctx.args), x, grad)[0], None
+
+    @staticmethod
+    def vmap(info, in_dims, x, args):
+        x = x.movedim(in_dims[0], 1)   # [B, K, C, H, W]
+        b, k, c, h, w = x.shape
+        y = F.max_pool2d(x.reshape(b, k * c, h, w), *args)
+        return y.view(b, k, c, *y.shape[-2:]), 1
+
+
+class _ClientPooling(TorchFunctionMode):
+    """Within a vmapped forward (`FunctionalEngine._client_loss`): the model's 2-D max pools of a 4-D batch, by
+    `F.max_pool2d`, `torch.max_pool2d` or `nn.MaxPool2d`, through `_ClientsMaxPool`; every other call as it is.
+    (Pools that return their indices keep torch's rule.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.max_pool2d or func is torch.max_pool2d:
+            x, kernel, stride, padding, dilation, ceil_mode, indices = _pool_args(*args, **kwargs)
+            if not indices and x.dim() == 4:
+                return _ClientsMaxPool.apply(x, (kernel, stride or kernel, padding, dilation, ceil_mode))
+        return func(*args, **kwargs)
+
+
+# A 2-D max pool's input elements per sample from which `_ChannelsLastMaxPool` is used in per-client mode. Torch's
+# NCHW max pool, forward and backward, one thread, side by side: 10×64×28×28 (pfl's CNN) 2.78 ms against 0.88 with
+# the channels-last copy; 16×32×16×16 0.73 against 0.27; 16×6×24×24 (LeNet) even (0.27); 16×16×8×8 0.06 against
+# 0.09 (the copies cost more than they save).
+CHANNELS_LAST_POOL_MIN = 8192
+
+
+class _ChannelsLastMaxPool(torch.autograd.Function):
+    """`F.max_pool2d` of an NCHW batch computed by torch's channels-last max pool on a channels-last copy (torch's
+    NCHW kernel is the slower one for big planes), its output made NCHW again; the backward is torch's own NCHW
+    max-pool backward with the indices the channels-last kernel found. Both kernels take the first maximum of each
+    window (a NaN wins), so the values, the indices and the gradient are `F.max_pool2d`'s bit for bit
+    (tests/test_client_pooling.py), and what follows sees the same NCHW tensor."""
+
+    @staticmethod
+    def forward(ctx, x, args):
+        y, idx = torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last), *args)
+        ctx.save_for_backward(x, idx.contiguous())
+        ctx.args = args
+        return y.contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, idx = ctx.saved_tensors
+        return torch.ops.aten.max_pool2d_with_indices_backward(grad.contiguous(), x, *ctx.args, idx), None
+
+
+class _LargePooling(TorchFunctionMode):
+    """Around `local_train` in per-client mode: the model's 2-D max pools of an NCHW batch of at least
+    CHANNELS_LAST_POOL_MIN elements per sample, by `F.max_pool2d`, `torch.max_pool2d` or `nn.MaxPool2d`, through
+    `_ChannelsLastMaxPool`; every other call as it is. `seen`: whether one was (the engine's probe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.max_pool2d or func is torch.max_pool2d:
+            x, kernel, stride, padding, dilation, ceil_mode, indices = _pool_args(*args, **kwargs)
+            if not indices and x.dim() == 4 and x.is_contiguous() and x.device.type == "cpu" \
+                    and x[0].numel() >= CHANNELS_LAST_POOL_MIN:
+                self.seen = True
+                return _ChannelsLastMaxPool.apply(x, _aten_pool_args(kernel, stride, padding, dilation, ceil_mode))
+        return func(*args, **kwargs)
+
+
+def _aten_pool_args(kernel, stride, padding, dilation, ceil_mode) -> tuple:
+    """F.max_pool2d's arguments as aten's max_pool2d_with_indices takes them (pairs; stride None: the kernel)."""
+    pair = (lambda v: [v, v] if isinstance(v, int) else list(v))   # noqa: E731
+    return pair(kernel), pair(stride or kernel), pair(padding), pair(dilation), bool(ceil_mode)
 
 
 def _packed_data(client_data: list[tuple[torch.Tensor, torch.Tensor]] | None,
@@ -158,7 +267,8 @@ class FunctionalEngine:
                      y: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
         """One client's loss on one batch, as `local_train` computes it (vmapped over clients by `_step`)."""
         self.masks.queue = list(masks)
-        out = functional_call(self.model, (params, buffers), (x,))
+        with _ClientPooling():
+            out = functional_call(self.model, (params, buffers), (x,))
         return F.cross_entropy(out, y)
 
     def _step(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor,
@@ -352,6 +462,20 @@ class PerClientEngine:
         self.model = _strip_generators(model).train()   # local_train gives each client's generator to its layers
         self.x_all, self.y_all, self.sizes, self.offsets = _packed_data(client_data, packed)
         self.buffers0 = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self.large_pools = self._has_large_pools()
+
+    def _has_large_pools(self) -> bool:
+        """Whether the model's forward on two samples pools through `_ChannelsLastMaxPool` (then `run` trains under
+        `_LargePooling`; a model without such pools is not slowed by the mode's look at every call)."""
+        if len(self.y_all) == 0:
+            return False
+        mode = _LargePooling()
+        try:
+            with torch.no_grad(), mode:
+                _strip_generators(self.model)(_two_samples(self.x_all))
+        except Exception:   # noqa: BLE001 - local_train will raise it where it matters; without the mode
+            return False
+        return mode.seen
 
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
             buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
@@ -361,11 +485,12 @@ class PerClientEngine:
         torch.set_num_threads(self.threads)
         start = self.buffers0 if buffers is None else buffers
         try:
-            out = []
-            for t in tasks:
-                lo, n = self.offsets[t.client], self.sizes[t.client]
-                out.append(local_train(self.model, w_global, self.x_all[lo:lo + n], self.y_all[lo:lo + n], t,
-                                       buffers=start or None))
+            with _LargePooling() if self.large_pools else contextlib.nullcontext():
+                out = []
+                for t in tasks:
+                    lo, n = self.offsets[t.client], self.sizes[t.client]
+                    out.append(local_train(self.model, w_global, self.x_all[lo:lo + n], self.y_all[lo:lo + n], t,
+                                           buffers=start or None))
         finally:
             torch.set_num_threads(saved)
         return out
@@ -375,23 +500,27 @@ class PerClientEngine:
 
     def details(self) -> dict:
         return {"device": "cpu", "workers": 0, "slices": 1, "native": False, "kernel": None, "generic": True,
-                "mode": self.mode, "threads": self.threads}
+                "mode": self.mode, "threads": self.threads, "channels_last_pools": self.large_pools}
 
     def close(self) -> None:
         """Nothing to stop: the engine runs in this process."""
 
 
-# vmap over clients pays where a step is small (its ops' dispatch and Python dominate), and loses where it is
-# big (a grouped convolution of K clients ran slower than K plain ones). Measured on one thread each, side by side
-# (benchmarks/generic_mode.py, results/generic_mode.md): from 0.88 MFLOP per sample (training FLOPs) up, one
-# client after another was as fast or faster (dropfl's mlp 1.8x, LeNet 1.0x, ResNet-8 1.4x, pfl's CNN 1.5x);
-# at 0.01-0.22 MFLOP per sample vmap was 2.4-3.2x faster.
-PER_CLIENT_FLOPS_PER_SAMPLE = 0.5e6
+# vmap over clients pays where a step's ops are small (their dispatch, Python and a convolution's per-call setup
+# dominate, once per step for K clients instead of K times), and loses where they are big (a grouped convolution of
+# K clients ran slower than K plain ones; a batched matmul is no faster than K plain ones). Measured on one thread
+# each, side by side (benchmarks/generic_mode.py, results/generic_mode.md): convolutional models (most of their
+# FLOPs in convolutions) gained from vmap up to 3.4 MFLOP per sample (LeNets 1.2-1.7x, a width-8 ResNet 1.7x), were
+# even at 13-13.5 and lost beyond (ResNet-8 1.3x, pfl's CNN 1.4x slower); models of linear layers gained at
+# 0.01-0.03 MFLOP and lost from 0.88 on (dropfl's mlp 1.7x slower).
+PER_CLIENT_FLOPS_PER_SAMPLE = 10e6        # any model: per-client from here on
+PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE = 0.5e6   # a model with at most half its FLOPs in convolutions: from here on
 
 
-def flops_per_sample(model: nn.Module, x: torch.Tensor) -> float | None:
+def training_flops(model: nn.Module, x: torch.Tensor) -> tuple[float, float] | None:
     """FLOPs of one training step per sample (forward and backward of the cross-entropy on the 2 samples `x`,
-    torch's FlopCounterMode: matmuls and convolutions), on a copy of the model; None where it cannot run."""
+    torch's FlopCounterMode: matmuls and convolutions), all and those of convolutions, on a copy of the model;
+    None where it cannot run."""
     from torch.utils.flop_counter import FlopCounterMode
     m = _strip_generators(model).train()
     try:
@@ -400,23 +529,39 @@ def flops_per_sample(model: nn.Module, x: torch.Tensor) -> float | None:
             F.cross_entropy(out, torch.zeros(len(x), dtype=torch.long)).backward()
     except Exception:   # noqa: BLE001 - any failure: the rule cannot tell, the caller keeps vmap
         return None
-    return counter.get_total_flops() / len(x)
+    per_op = counter.get_flop_counts().get("Global", {})
+    conv = sum(v for op, v in per_op.items() if "convolution" in str(op))
+    return counter.get_total_flops() / len(x), conv / len(x)
+
+
+def flops_per_sample(model: nn.Module, x: torch.Tensor) -> float | None:
+    """`training_flops`' total: FLOPs of one training step per sample."""
+    f = training_flops(model, x)
+    return None if f is None else f[0]
 
 
 def choose_mode(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> tuple[str, str]:
-    """How the generic engine computes a slice, and why: "vmap" (`FunctionalEngine`) on a GPU and on the CPU for
-    models of fewer than PER_CLIENT_FLOPS_PER_SAMPLE FLOPs per sample, else "per-client" (`PerClientEngine`). A
+    """How the generic engine computes a slice, and why: "vmap" (`FunctionalEngine`) on a GPU, and on the CPU for
+    models of fewer than PER_CLIENT_FLOPS_PER_SAMPLE training FLOPs per sample that have most of them in
+    convolutions, or fewer than PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE; else "per-client" (`PerClientEngine`). A
     function of the model and the input shape only (never of timings), so a run's bits do not depend on the load."""
     if device.type != "cpu":
         return "vmap", f"on {device.type}"
     if len(x_all) == 0:
         return "vmap", "no data"
-    f = flops_per_sample(model, _two_samples(x_all))
-    if f is None:
+    counted = training_flops(model, _two_samples(x_all))
+    if counted is None:
         return "vmap", "its FLOPs could not be counted"
+    f, conv = counted
+    what = f"{f / 1e6:.2f} MFLOP per sample and step, {100 * conv / f if f else 0:.0f}% in convolutions"
     if f >= PER_CLIENT_FLOPS_PER_SAMPLE:
-        return "per-client", f"{f / 1e6:.2f} MFLOP per sample and step, at least {PER_CLIENT_FLOPS_PER_SAMPLE / 1e6:g}"
-    return "vmap", f"{f / 1e6:.2f} MFLOP per sample and step, under {PER_CLIENT_FLOPS_PER_SAMPLE / 1e6:g}"
+        return "per-client", f"{what}: at least {PER_CLIENT_FLOPS_PER_SAMPLE / 1e6:g} MFLOP"
+    if f >= PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE and 2 * conv <= f:
+        return "per-client", f"{what}: at least {PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE / 1e6:g} MFLOP, at most half " \
+                             "in convolutions"
+    if f < PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE:
+        return "vmap", f"{what}: under {PER_CLIENT_LINEAR_FLOPS_PER_SAMPLE / 1e6:g} MFLOP"
+    return "vmap", f"{what}: under {PER_CLIENT_FLOPS_PER_SAMPLE / 1e6:g} MFLOP, most in convolutions"
 
 
 # --- the engine SimTransport runs: a round in slices, the slices in worker processes ----------------------------
