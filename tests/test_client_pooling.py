@@ -21,8 +21,6 @@ from torch.func import vmap
 from coordinator.sim import functional
 from coordinator.sim.functional import _ClientPooling, _ClientsMaxPool
 
-pytestmark = pytest.mark.engine
-
 K, B, C, H, W = 3, 4, 5, 12, 10
 
 
