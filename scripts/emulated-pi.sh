@@ -65,6 +65,8 @@ ENGINE_SELECTION=(
   "tests/test_engine_equivalence.py::test_batched_matches_loop_under_dropouts[mimic-cnn-torch_ops]"  # batched = loop
   tests/test_batchnorm.py::test_resume_and_replay_give_the_same_model_and_buffers  # loop: replay, resume same bits
   tests/test_batched_fastpath.py::test_the_lenet_step_by_hand_gives_autograd_s_bits # skips where the kernels cannot run
+  tests/test_client_pooling.py::test_values_and_gradients_are_torchs_rule_bit_for_bit  # the engine's pools: torch's bits
+  tests/test_client_pooling.py::test_channels_last_pool_is_torchs_pool_bit_for_bit
 )
 BUILD_TIMEOUT=3600     # debootstrap, then apt inside (seconds each)
 SETUP_TIMEOUT=1800     # setup-device.sh inside the chroot

@@ -97,6 +97,16 @@ def test_every_form_goes_through_the_rule(monkeypatch) -> None:
         assert len(calls) == 1, form
 
 
+def test_a_tensor_shared_by_all_clients_is_pooled_once() -> None:
+    """A pool of a tensor that is not the clients' (captured, not vmapped over): torch's pool of it, once (torch.func
+    calls the function itself, not its vmap rule, when none of its inputs is batched)."""
+    shared = images(False)[0]
+    y = vmap(lambda xc: _pooled(lambda v: F.max_pool2d(shared, 2) + v.sum(), xc))(images(False).nan_to_num(0.0))
+    assert y.shape == (K, B, C, H // 2, W // 2)
+    assert torch.equal(y[0].nan_to_num(-7.0), (F.max_pool2d(shared, 2) + images(False)[0].nan_to_num(0.0).sum())
+                       .nan_to_num(-7.0))
+
+
 def test_outside_vmap_it_is_torchs_pool() -> None:
     x = images(False)[0].detach().requires_grad_()
     y = _ClientsMaxPool.apply(x, (2, 2, 0, 1, False))
