@@ -55,8 +55,8 @@ listed workloads of benchmarks/workloads.py side by side in one run, every engin
   bound      the FLOP bound: FlopCounterMode FLOPs of one step ÷ a 2048x2048 matmul's rate on all the
              machine's CPUs (each repeat)
 
-plus a torch.profiler profile of one generic round of resnet8-cifar and pfl-cifar10 (top ops by self CPU time
-and their split by kind). Writes benchmarks/results/sim_throughput_workloads.json and .md (the default mode's
+plus a torch.profiler profile of one generic round of each workload, in the mode the engine ran (top ops by self
+CPU time and their split by kind). Writes benchmarks/results/sim_throughput_workloads.json and .md (the default mode's
 files are left as they are).
 
     .venv/bin/python benchmarks/sim_throughput.py --workload all [--repeats 2] [--flower-runs 2]
@@ -349,10 +349,16 @@ PHASES = [   # op kinds of the profile, by the name of the aten op (self CPU tim
     ("batch norm", ("batch_norm",)),
     ("max-pool", ("pool",)),
     ("dropout masks (rand >= p, per client)", ("aten::uniform_", "aten::rand", "aten::ge")),
-    ("copies, gathers, layout", ("aten::copy_", "aten::index", "aten::clone", "aten::cat", "aten::stack",
-                                 "aten::_to_copy", "aten::contiguous", "aten::index_put_", "aten::fill_",
-                                 "aten::zero_")),
+    ("batch orders (randperm)", ("aten::randperm",)),
+    ("copies, gathers, layout", ("aten::copy_", "aten::index", "aten::index_select", "aten::clone", "aten::cat",
+                                 "aten::stack", "aten::_to_copy", "aten::contiguous", "aten::index_put_",
+                                 "aten::fill_", "aten::zero_")),
 ]
+
+
+def _op_matches(op: str, key: str) -> bool:
+    """An aten op name against a PHASES key: "aten::x" keys name one op exactly, the others are parts of names."""
+    return op == key if key.startswith("aten::") else key in op
 
 
 def profile_generic(t: SimTransport, w: torch.Tensor, wl: Workload, steps: int) -> dict:
@@ -375,9 +381,11 @@ def profile_generic(t: SimTransport, w: torch.Tensor, wl: Workload, steps: int) 
     top = sorted(avgs, key=lambda e: -e.self_cpu_time_total)[:12]
     phases: dict[str, float] = {}
     for e in avgs:
-        kind = next((k for k, keys in PHASES if any(key in e.key for key in keys)), "elementwise and other ops")
+        kind = next((k for k, keys in PHASES if any(_op_matches(e.key, key) for key in keys)),
+                    "elementwise and other ops")
         phases[kind] = phases.get(kind, 0.0) + e.self_cpu_time_total / 1e6
-    return {"wall_s": wall, "ops_self_cpu_s": total, "outside_ops_s": max(wall - total, 0.0),
+    return {"mode": getattr(engine, "mode", None), "wall_s": wall, "ops_self_cpu_s": total,
+            "outside_ops_s": max(wall - total, 0.0),
             "client_steps": len(tasks) * steps,
             "top_ops": [{"op": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6,
                          "share_of_wall": e.self_cpu_time_total / 1e6 / wall} for e in top],
@@ -468,7 +476,7 @@ def run_workloads(args: argparse.Namespace) -> None:
                       flush=True)
     profiles = {name: profile_generic(setups[name]["ts"]["generic"], setups[name]["w"], setups[name]["wl"],
                                       setups[name]["steps"])
-                for name in names if name != "mimic-fmnist"}
+                for name in names}
     for s in setups.values():
         for t in s["ts"].values():
             t.close()
@@ -586,7 +594,8 @@ def workloads_markdown(o: dict) -> str:
         p = r.get("profile_generic")
         if p:
             lines += ["", f"Where the generic engine's time goes (torch.profiler, its computation of one round of "
-                      f"{p['client_steps']} client-steps as one slice in this process, 1 thread: "
+                      f"{p['client_steps']} client-steps as one slice in this process, 1 thread"
+                      + (f", {p['mode']} mode" if p.get("mode") else "") + ": "
                       f"{p['wall_s']:.2f} s wall under the profiler; aten ops' self CPU time on the "
                       f"calling thread {p['ops_self_cpu_s']:.2f} s; outside ops (Python, torch.func dispatch) "
                       f"{p['outside_ops_s']:.2f} s):", "",
