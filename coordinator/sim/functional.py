@@ -4,7 +4,10 @@ The reference path of the batched engine (docs/engine.md, "The generic engine"):
 hand-written batched forward (`batched.batched_forward`), `SimTransport` trains its clients here instead of on
 the per-client loop. Every parameter and buffer gets a leading client dimension ([K, *shape]), and one step of
 K clients is `vmap(functional_call)` over the model's own forward: torch's batching rules turn a convolution
-into a grouped convolution and a linear layer into a batched matmul, so no layer is written by hand.
+into a grouped convolution and a linear layer into a batched matmul, so no layer is written by hand. One batching
+rule is the engine's own: a max pool pools the clients' channels in the grouped layout (`_ClientsMaxPool`, the
+same bits as torch's rule, faster). Where vmap does not pay (`choose_mode`), a slice's clients are trained one
+after the other by `local_train` (`PerClientEngine`).
 
 Exactly `local_train`'s algorithm, client by client:
 - batches: `batch_table` with the client's own `client_generator`, in its order;
