@@ -95,6 +95,26 @@ def _pool_args(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     return input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
 
 
+class _PoolingMode(TorchFunctionMode):
+    """A mode that computes the model's 2-D max pools of a 4-D batch, by `F.max_pool2d`, `torch.max_pool2d` or
+    `nn.MaxPool2d`, its own way (`pool`, None: torch's); every other call, and pools that return their indices,
+    as they are."""
+
+    def pool(self, x: torch.Tensor, args: tuple) -> torch.Tensor | None:
+        """`F.max_pool2d(x, *args)`, args = (kernel, stride, padding, dilation, ceil_mode), or None."""
+        raise NotImplementedError
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.max_pool2d or func is torch.max_pool2d:
+            x, kernel, stride, padding, dilation, ceil_mode, indices = _pool_args(*args, **kwargs)
+            if not indices and x.dim() == 4:
+                out = self.pool(x, (kernel, stride or kernel, padding, dilation, ceil_mode))
+                if out is not None:
+                    return out
+        return func(*args, **kwargs)
+
+
 class _ClientsMaxPool(torch.autograd.Function):
     """`F.max_pool2d` of one client's batch [B, C, H, W], whose vmap rule pools every client's channels in one call
     on the layout vmap's grouped convolutions give (physically [B, K·C, H, W], channels-last): a max pool is per
@@ -130,18 +150,11 @@ class _ClientsMaxPool(torch.autograd.Function):
         return y.view(b, k, c, *y.shape[-2:]), 1
 
 
-class _ClientPooling(TorchFunctionMode):
-    """Within a vmapped forward (`FunctionalEngine._client_loss`): the model's 2-D max pools of a 4-D batch, by
-    `F.max_pool2d`, `torch.max_pool2d` or `nn.MaxPool2d`, through `_ClientsMaxPool`; every other call as it is.
-    (Pools that return their indices keep torch's rule.)"""
+class _ClientPooling(_PoolingMode):
+    """Within a vmapped forward (`FunctionalEngine._client_loss`): the model's max pools through `_ClientsMaxPool`."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.max_pool2d or func is torch.max_pool2d:
-            x, kernel, stride, padding, dilation, ceil_mode, indices = _pool_args(*args, **kwargs)
-            if not indices and x.dim() == 4:
-                return _ClientsMaxPool.apply(x, (kernel, stride or kernel, padding, dilation, ceil_mode))
-        return func(*args, **kwargs)
+    def pool(self, x: torch.Tensor, args: tuple) -> torch.Tensor:
+        return _ClientsMaxPool.apply(x, args)
 
 
 # A 2-D max pool's input elements per sample from which `_ChannelsLastMaxPool` is used in per-client mode. Torch's
@@ -171,30 +184,23 @@ class _ChannelsLastMaxPool(torch.autograd.Function):
         return torch.ops.aten.max_pool2d_with_indices_backward(grad.contiguous(), x, *ctx.args, idx), None
 
 
-class _LargePooling(TorchFunctionMode):
-    """Around `local_train` in per-client mode: the model's 2-D max pools of an NCHW batch of at least
-    CHANNELS_LAST_POOL_MIN elements per sample, by `F.max_pool2d`, `torch.max_pool2d` or `nn.MaxPool2d`, through
-    `_ChannelsLastMaxPool`; every other call as it is. `seen`: whether one was (the engine's probe)."""
+class _LargePooling(_PoolingMode):
+    """Around `local_train` in per-client mode: the model's max pools of an NCHW batch of at least
+    CHANNELS_LAST_POOL_MIN elements per sample through `_ChannelsLastMaxPool`. `seen`: whether one was (the
+    engine's probe)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.max_pool2d or func is torch.max_pool2d:
-            x, kernel, stride, padding, dilation, ceil_mode, indices = _pool_args(*args, **kwargs)
-            if not indices and x.dim() == 4 and x.is_contiguous() and x.device.type == "cpu" \
-                    and x[0].numel() >= CHANNELS_LAST_POOL_MIN:
-                self.seen = True
-                return _ChannelsLastMaxPool.apply(x, _aten_pool_args(kernel, stride, padding, dilation, ceil_mode))
-        return func(*args, **kwargs)
-
-
-def _aten_pool_args(kernel, stride, padding, dilation, ceil_mode) -> tuple:
-    """F.max_pool2d's arguments as aten's max_pool2d_with_indices takes them (pairs; stride None: the kernel)."""
-    pair = (lambda v: [v, v] if isinstance(v, int) else list(v))   # noqa: E731
-    return pair(kernel), pair(stride or kernel), pair(padding), pair(dilation), bool(ceil_mode)
+    def pool(self, x: torch.Tensor, args: tuple) -> torch.Tensor | None:
+        if not (x.is_contiguous() and x.device.type == "cpu" and x[0].numel() >= CHANNELS_LAST_POOL_MIN):
+            return None
+        self.seen = True
+        pair = (lambda v: [v, v] if isinstance(v, int) else list(v))   # noqa: E731 - aten takes pairs
+        kernel, stride, padding, dilation, ceil_mode = args
+        return _ChannelsLastMaxPool.apply(x, (pair(kernel), pair(stride), pair(padding), pair(dilation),
+                                              bool(ceil_mode)))
 
 
 def _packed_data(client_data: list[tuple[torch.Tensor, torch.Tensor]] | None,
