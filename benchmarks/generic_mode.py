@@ -30,7 +30,7 @@ import workloads  # noqa: E402
 from test_functional_engine import TinyCNN, TinyMLP, TinyResNet  # noqa: E402
 
 from coordinator.sim import functional  # noqa: E402
-from coordinator.sim.functional import FunctionalEngine, choose_mode, flops_per_sample  # noqa: E402
+from coordinator.sim.functional import FunctionalEngine, choose_mode, training_flops  # noqa: E402
 from edge_client.models import build_model, get_flat  # noqa: E402
 from edge_client.trainer import TrainTask, local_train  # noqa: E402
 
@@ -57,7 +57,7 @@ def measure(model, shape, clients=15, samples=64, batch=16, steps=8, repeats=3):
             local_train(plain, w, *data[t.client], t)
         pc.append(time.perf_counter() - t0)
     steps_all = clients * steps
-    return (flops_per_sample(model, data[0][0][:2]), steps_all / sorted(vm)[repeats // 2],
+    return (training_flops(model, data[0][0][:2]), steps_all / sorted(vm)[repeats // 2],
             steps_all / sorted(tp)[repeats // 2], steps_all / sorted(pc)[repeats // 2])
 
 
@@ -95,10 +95,9 @@ def main() -> None:
     rows = []
     load = os.getloadavg()[0]
     for name, model, shape, kw in cases:
-        f, vm, tp, pc = measure(model, shape, **kw)
-        pick, why = choose_mode(model, torch.rand(2, *shape), torch.device("cpu"))
-        conv = why.split(", ")[1].split(" in ")[0]
-        rows.append((name, f, conv, vm, tp, pc, pick))
+        (f, conv), vm, tp, pc = measure(model, shape, **kw)
+        pick = choose_mode(model, torch.rand(2, *shape), torch.device("cpu"))[0]
+        rows.append((name, f, f"{100 * conv / f:.0f}%", vm, tp, pc, pick))
         print(f"{name}: {f / 1e6:.2f} MFLOP/sample, vmap {vm:.1f} (torch's pool rule {tp:.1f}), per-client {pc:.1f} "
               f"client-steps/s; the rule picks {pick}", flush=True)
     from sim_throughput import cpu_model

@@ -543,12 +543,6 @@ def training_flops(model: nn.Module, x: torch.Tensor) -> tuple[float, float] | N
     return counter.get_total_flops() / len(x), conv / len(x)
 
 
-def flops_per_sample(model: nn.Module, x: torch.Tensor) -> float | None:
-    """`training_flops`' total: FLOPs of one training step per sample."""
-    f = training_flops(model, x)
-    return None if f is None else f[0]
-
-
 def choose_mode(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> tuple[str, str]:
     """How the generic engine computes a slice, and why: "vmap" (`FunctionalEngine`) on a GPU, and on the CPU for
     models of fewer than PER_CLIENT_FLOPS_PER_SAMPLE training FLOPs per sample that have most of them in
