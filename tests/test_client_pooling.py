@@ -46,18 +46,16 @@ POOLS = {   # the forms a model's forward calls, each a function of one client's
 }
 
 
+def _pooled(f, xc):
+    with _ClientPooling():
+        return f(xc)
+
+
 def pooled_and_grad(pool, x: torch.Tensor, ours: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """vmap of `pool` over the clients (with the engine's rule or torch's), and the gradient of a fixed linear
     function of its output with respect to the input."""
     x = x.detach().requires_grad_()
-
-    def client(xc):
-        if ours:
-            with _ClientPooling():
-                return pool(xc)
-        return pool(xc)
-
-    y = vmap(client)(x)
+    y = vmap((lambda xc: _pooled(pool, xc)) if ours else pool)(x)
     weight = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view(y.shape)
     (g,) = torch.autograd.grad((y.nan_to_num(0.0) * weight).sum(), x)
     return y.detach(), g
@@ -82,7 +80,9 @@ def test_float64_and_a_batch_of_one() -> None:
     assert torch.equal(y.nan_to_num(-7.0), y_ref.nan_to_num(-7.0)) and torch.equal(g, g_ref)
 
 
-def test_every_form_goes_through_the_rule(monkeypatch) -> None:
+@pytest.fixture
+def rule_calls(monkeypatch) -> list:
+    """The arguments of each call of `_ClientsMaxPool`'s vmap rule (which still runs)."""
     calls = []
     rule = _ClientsMaxPool.vmap
 
@@ -91,6 +91,11 @@ def test_every_form_goes_through_the_rule(monkeypatch) -> None:
         return rule(info, in_dims, x, args)
 
     monkeypatch.setattr(_ClientsMaxPool, "vmap", staticmethod(counted))
+    return calls
+
+
+def test_every_form_goes_through_the_rule(rule_calls) -> None:
+    calls = rule_calls
     for form, pool in POOLS.items():
         calls.clear()
         pooled_and_grad(pool, images(True), ours=True)
@@ -127,16 +132,9 @@ def test_what_it_leaves_to_torch(monkeypatch) -> None:
     assert torch.equal(vmap(lambda xc: _pooled(torch.relu, xc))(x).nan_to_num(-7.0), torch.relu(x).nan_to_num(-7.0))
 
 
-def _pooled(f, xc):
-    with _ClientPooling():
-        return f(xc)
-
-
-def test_the_engine_calls_the_models_forward_under_the_rule(monkeypatch) -> None:
+def test_the_engine_calls_the_models_forward_under_the_rule(rule_calls) -> None:
     """FunctionalEngine's vmapped forward runs inside `_ClientPooling` (a model with a pool: the rule runs)."""
-    calls = []
-    rule = _ClientsMaxPool.vmap
-    monkeypatch.setattr(_ClientsMaxPool, "vmap", staticmethod(lambda *a: calls.append(1) or rule(*a)))
+    calls = rule_calls
     from edge_client.models import build_model, get_flat
     from edge_client.trainer import TrainTask
     model = build_model("mimic-cnn", (1, 28, 28))
