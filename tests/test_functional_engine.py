@@ -158,12 +158,35 @@ def test_dropout_masks_come_from_each_clients_generator() -> None:
         assert torch.allclose(got[i].delta, loop(model, w, data, task)[0].delta, atol=F64_TOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_masks_drawn_on_threads_are_the_masks_drawn_in_turn(name: str) -> None:
+    """On a GPU the clients' dropout masks are drawn on a pool of threads (`draw_threads`); each client's generator
+    has its own state, so the round's bits are those of drawing client after client (checked here on the CPU, the
+    threads forced: float32, clients of different sizes so that the batches and size groups differ)."""
+    model, shape = make(name, torch.float32)
+    w = get_flat(model)
+    data = make_data([40, 23, 16, 7, 31], shape, torch.float32, seed=8)
+    tasks = [TrainTask(client=c, round=3, lr=0.05, batch_size=8, epochs=1, seed=4) for c in range(5)]
+    in_turn = FunctionalEngine(model, data, device="cpu")
+    threaded = FunctionalEngine(model, data, device="cpu")
+    assert in_turn.draw_threads == 0 and in_turn.drops   # the model has dropout, drawn in this thread on the CPU
+    threaded.draw_threads = 4
+    try:
+        a, b = in_turn.run(w, tasks), threaded.run(w, tasks)
+        assert threaded._drawers is not None   # the threads did draw
+    finally:
+        threaded.close()
+    assert threaded._drawers is None
+    for x, y in zip(a, b):
+        assert torch.equal(x.delta, y.delta) and x.loss == y.loss
+
+
 def test_the_transport_trains_other_models_on_it() -> None:
     model, shape = make("resnet", torch.float32)
     w = get_flat(model)
     data = make_data([12, 20, 9], shape, torch.float32, seed=4)
     tasks = [TrainTask(client=c, round=0, lr=0.05, batch_size=8, epochs=1, seed=2) for c in (2, 0, 1)]
-    transport = SimTransport(copy.deepcopy(model), data)
+    transport = SimTransport(copy.deepcopy(model), data, device="cpu")   # (auto: a GPU where there is one)
     assert isinstance(transport.batched, GenericEngine)
     assert transport.describe() == "batched (torch.func)"
     line, fields = transport.summary()
@@ -309,12 +332,15 @@ def test_the_mode_follows_the_models_flops_per_sample_never_timings() -> None:
     assert choose_mode(big, x, torch.device("cuda"))[0] == "vmap"
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int) -> None:
+@pytest.mark.parametrize("workers,cores", [(0, 2), (2, 2), (0, 5)])
+def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, cores: int, monkeypatch) -> None:
     """Per-client mode (a model above the FLOP rule's line): each client's delta, loss, steps and BatchNorm buffers are
-    `local_train`'s on one thread from the global weights and buffers, bit for bit, whatever its slice and the
-    number of workers; FedProx, SCAFFOLD, several epochs and an empty client included (`mixed_tasks`)."""
+    `local_train`'s on one thread from the global weights and buffers, bit for bit, whatever its slice, the number
+    of slices (one per core: 5 here on a 5-core machine) and the number of workers; FedProx, SCAFFOLD, several
+    epochs and an empty client included (`mixed_tasks`)."""
+    from coordinator.sim import functional
     from coordinator.sim.functional import GenericEngine, PerClientEngine
+    monkeypatch.setattr(functional, "cpus", lambda: cores)
     torch.manual_seed(0)
     model = TinyResNet(width=16)
     w = get_flat(model)
@@ -325,6 +351,7 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int) 
     try:
         assert engine.mode == "per-client" and isinstance(engine.local, PerClientEngine)
         assert engine.describe() == "batched (per client)" and engine.details()["workers"] == workers
+        assert engine.details()["slices"] == max(GENERIC_SLICES, cores)
         got = engine.run(w, tasks, buffers=start)
     finally:
         engine.close()

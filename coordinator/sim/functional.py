@@ -268,6 +268,9 @@ class FunctionalEngine:
             elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
                 layer.forward = _nchw_input(layer)   # type: ignore[method-assign]
         self.drops: list[tuple[SeededDropout, tuple[int, ...]]] = []
+        # the threads that draw the clients' dropout masks (`_draw`): on a GPU one per CPU (at most 16), else none
+        self.draw_threads = min(cpus(), 16) if is_cuda(self.device) else 0
+        self._drawers = None
         self.last_buffers: dict[str, torch.Tensor] = {}   # the last round's per-client buffers, in task order
         self._probe()
 
@@ -327,10 +330,29 @@ class FunctionalEngine:
     def _draw(self, gens: list[torch.Generator], size: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """This step's dropout masks for clients with generators `gens` and a real batch of `size`: per client,
         one `rand((size, *shape), generator) >= p` per dropout call in forward order (the loop's draws), as
-        one [k, size, *shape] stack per call."""
-        per_client = [[(torch.rand((size, *shape), generator=g) >= layer.p).to(dtype) for layer, shape in self.drops]
-                      for g in gens]
-        return [torch.stack([c[i] for c in per_client]).to(self.device) for i in range(len(self.drops))]
+        one [k, size, *shape] stack per call. Each client's draws go straight into its row of the stacks
+        (`uniform_` is what `rand` runs: the same numbers). On a GPU the clients are drawn on `draw_threads` threads
+        (a CPU generator draws serially; each client's has its own state, so the numbers do not depend on the
+        threads), the stacks are pinned and their copies to the GPU do not wait: the next step's masks are drawn
+        while the GPU computes this one's."""
+        cuda = is_cuda(self.device)
+        stacks = [torch.empty((len(gens), size, *shape), pin_memory=cuda) for _, shape in self.drops]
+
+        def draw(i: int) -> None:
+            for st in stacks:
+                st[i].uniform_(0.0, 1.0, generator=gens[i])
+
+        if self.draw_threads > 1 and len(gens) > 1:
+            if self._drawers is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._drawers = ThreadPoolExecutor(self.draw_threads, thread_name_prefix="dropfl-masks")
+            list(self._drawers.map(draw, range(len(gens))))
+        else:
+            for i in range(len(gens)):
+                draw(i)
+        for (layer, _), st in zip(self.drops, stacks):
+            st.ge_(layer.p)   # 1.0 where rand >= p, else 0.0, as (rand >= p).to(float32)
+        return [st.to(self.device, dtype, non_blocking=cuda) for st in stacks]
 
     # -- a round ----------------------------------------------------------------------------------------------
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
@@ -373,16 +395,20 @@ class FunctionalEngine:
                           dtype=w0.dtype, device=dev)
         neg_lr = torch.tensor([-t.lr for t in tasks], dtype=w0.dtype, device=dev)   # (one lr: the float itself)
         n_steps = [len(s) for _, s in plans]
-        loss_sum = torch.zeros(k_all, dtype=torch.float64)
+        losses: list[tuple[list[int], torch.Tensor]] = []   # on the device until the round's end: no wait per step
         for j in range(max(n_steps, default=0)):
             k = sum(1 for n in n_steps if n > j)   # the clients still training: a prefix
             by_size: dict[int, list[int]] = {}
             for i in range(k):
                 by_size.setdefault(int(plans[i][1][j]), []).append(i)
             for size, idx in by_size.items():
-                loss = self._update(j, size, idx, tasks, gens, plans, params, buffers, anchors, corr, mu, neg_lr,
-                                    hooked)
-                loss_sum[idx] += loss.double().cpu()
+                losses.append((idx, self._update(j, size, idx, tasks, gens, plans, params, buffers, anchors, corr,
+                                                 mu, neg_lr, hooked)))
+        loss_sum = torch.zeros(k_all, dtype=torch.float64)
+        if losses:
+            for (idx, _), loss in zip(losses, torch.cat([v.double() for _, v in losses]).cpu().split(
+                    [len(i) for i, _ in losses])):
+                loss_sum[idx] += loss
         flat = torch.cat([p.reshape(k_all, -1) for p in params.values()], 1)
         deltas = (w0.unsqueeze(0) - flat).to(w_global.device, w_global.dtype)
         self.last_buffers = {n: b[torch.tensor(_inverse(order), dtype=torch.long, device=dev)]
@@ -410,7 +436,8 @@ class FunctionalEngine:
         lo, hi = idx[0], idx[-1] + 1
         sel: slice | torch.Tensor = slice(lo, hi) if hi - lo == len(idx) else \
             torch.tensor(idx, dtype=torch.long, device=self.device)   # a range: views, else copies written back
-        rows = torch.stack([plans[i][0][j, :size] + self.offsets[tasks[i].client] for i in idx]).to(self.device)
+        rows = torch.stack([plans[i][0][j, :size] + self.offsets[tasks[i].client] for i in idx])
+        rows = rows.pin_memory().to(self.device, non_blocking=True) if is_cuda(self.device) else rows
         x, y = self._inputs(rows), self.y_all[rows]
         masks = self._draw([gens[i] for i in idx], size, x.dtype)
         p_sub = {n: p[sel] for n, p in params.items()}
@@ -450,7 +477,10 @@ class FunctionalEngine:
                 "generic": True, "mode": self.mode, "threads": self.threads}
 
     def close(self) -> None:
-        """Nothing to stop: the engine runs in this process."""
+        """The engine runs in this process: only the mask-drawing threads (on a GPU) to stop."""
+        if self._drawers is not None:
+            self._drawers.shutdown()
+            self._drawers = None
 
 
 # --- per client: the other way to compute a slice ----------------------------------------------------------------
@@ -512,7 +542,10 @@ class PerClientEngine:
                 "mode": self.mode, "threads": self.threads, "channels_last_pools": self.large_pools}
 
     def close(self) -> None:
-        """Nothing to stop: the engine runs in this process."""
+        """The engine runs in this process: only the mask-drawing threads (on a GPU) to stop."""
+        if self._drawers is not None:
+            self._drawers.shutdown()
+            self._drawers = None
 
 
 # vmap over clients pays where a step's ops are small (their dispatch, Python and a convolution's per-call setup
@@ -572,6 +605,15 @@ def choose_mode(model: nn.Module, x_all: torch.Tensor, device: torch.device) -> 
 GENERIC_SLICES = 2   # on the CPU: a round's tasks in this many contiguous slices, whatever the number of workers
 
 
+def generic_slices(mode: str, device: torch.device) -> int:
+    """A round's slices: vmap on the CPU `GENERIC_SLICES`, fixed (the clients that share a computation change its
+    rounding); per-client one per CPU, at least `GENERIC_SLICES` (each client is `local_train` on one thread, the
+    same bits in any slice: a machine's cores all work); on a GPU one."""
+    if device.type != "cpu":
+        return 1
+    return max(GENERIC_SLICES, cpus()) if mode == "per-client" else GENERIC_SLICES
+
+
 _WORKER: FunctionalEngine | PerClientEngine | None = None
 MODES = {"vmap": FunctionalEngine, "per-client": PerClientEngine}
 
@@ -594,15 +636,15 @@ def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask],
 
 
 class GenericEngine(PoolOwner):
-    """The generic engine as `SimTransport` runs it: on the CPU a round's tasks in `GENERIC_SLICES` contiguous
-    slices, fixed by the task list alone, each slice computed on 1 thread in the `mode` that `choose_mode` picks
-    for the model (or the caller names): "vmap", one `FunctionalEngine` computation, or "per-client",
-    `PerClientEngine` (`local_train` client after client); the slices in
-    worker processes (one per slice, at most one per CPU: `batched.cpus()`), as the hand-written engine runs its
-    slices. So a run's bits do not depend on the number of workers: with one CPU, or a model that does not pickle
-    (a class defined inside a function), the slices run one after the other in this process, with the same bits
-    (said once as a warning). On CUDA one slice, in this process, vmap. Raises TypeError where the mode is vmap and
-    torch.func cannot run the model (the probe of `FunctionalEngine`, in this process, before any worker starts)."""
+    """The generic engine as `SimTransport` runs it: on the CPU a round's tasks in contiguous slices (`generic_slices`:
+    in vmap mode `GENERIC_SLICES`, fixed by the task list alone), each slice computed on 1 thread in the `mode` that
+    `choose_mode` picks for the model (or the caller names): "vmap", one `FunctionalEngine` computation, or
+    "per-client", `PerClientEngine` (`local_train` client after client); the slices in worker processes (one per
+    slice, at most one per CPU: `batched.cpus()`), as the hand-written engine runs its slices. So a run's bits do
+    not depend on the number of workers: with one CPU, or a model that does not pickle (a class defined inside a
+    function), the slices run one after the other in this process, with the same bits (said once as a warning).
+    On CUDA one slice, in this process, vmap. Raises TypeError where the mode is vmap and torch.func cannot run the
+    model (the probe of `FunctionalEngine`, in this process, before any worker starts)."""
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  device: str | None = "auto", workers: int | None = None, mode: str | None = None):
@@ -618,7 +660,7 @@ class GenericEngine(PoolOwner):
         self.mode = mode
         self.local = MODES[mode](model, client_data, device, threads=1 if cpu else None)   # vmap: probes
         self.device, self.threads = self.local.device, self.local.threads
-        self.groups = GENERIC_SLICES if cpu else 1
+        self.groups = generic_slices(mode, self.device)
         if workers is None:
             n = cpus() if cpu else 1
             workers = min(self.groups, n) if n > 1 else 0
