@@ -75,3 +75,19 @@ def test_an_unknown_workload_is_a_one_line_error_before_anything_runs(tmp_path):
 def test_a_framework_run_that_hangs_is_killed_and_said_so():
     with pytest.raises(RuntimeError, match=r"did not finish within 1 s \(its process group was killed\)"):
         sim_throughput.run_framework([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+
+
+def test_the_gpu_benchmark_without_a_gpu_is_one_line_and_its_record_is_its_own_rendering(tmp_path):
+    """benchmarks/gpu_throughput.py: where torch sees no GPU, one line and nothing written; the committed record's
+    table is what the script renders from the committed JSON (not edited by hand)."""
+    gpu = importlib.import_module("gpu_throughput")
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(BENCH / "gpu_throughput.py"), "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and list(tmp_path.iterdir()) == []
+        assert proc.stderr.strip().splitlines()[-1] == \
+            "gpu_throughput: error: torch sees no GPU here; run it on a machine with one"
+    import json
+    record = json.loads((BENCH / "results" / "gpu_throughput.json").read_text())
+    assert gpu.markdown(record) == (BENCH / "results" / "gpu_throughput.md").read_text()
+    assert set(record["workloads"]) == set(workloads.WORKLOADS)
