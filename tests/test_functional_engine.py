@@ -332,12 +332,12 @@ def test_the_mode_follows_the_models_flops_per_sample_never_timings() -> None:
     assert choose_mode(big, x, torch.device("cuda"))[0] == "vmap"
 
 
-@pytest.mark.parametrize("workers,cores", [(0, 2), (2, 2), (0, 5)])
+@pytest.mark.parametrize("workers,cores", [(0, 2), (2, 2), (0, 5), (0, 40)])
 def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, cores: int, monkeypatch) -> None:
     """Per-client mode (a model above the FLOP rule's line): each client's delta, loss, steps and BatchNorm buffers are
     `local_train`'s on one thread from the global weights and buffers, bit for bit, whatever its slice, the number
-    of slices (one per core: 5 here on a 5-core machine) and the number of workers; FedProx, SCAFFOLD, several
-    epochs and an empty client included (`mixed_tasks`)."""
+    of slices (one per core, at most 16: 5 on a 5-core machine, 16 on a 40-core one) and the number of workers;
+    FedProx, SCAFFOLD, several epochs and an empty client included (`mixed_tasks`)."""
     from coordinator.sim import functional
     from coordinator.sim.functional import GenericEngine, PerClientEngine
     monkeypatch.setattr(functional, "cpus", lambda: cores)
@@ -351,7 +351,7 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
     try:
         assert engine.mode == "per-client" and isinstance(engine.local, PerClientEngine)
         assert engine.describe() == "batched (per client)" and engine.details()["workers"] == workers
-        assert engine.details()["slices"] == max(GENERIC_SLICES, cores)
+        assert engine.details()["slices"] == min(max(GENERIC_SLICES, cores), 16)   # one per core, at most 16
         got = engine.run(w, tasks, buffers=start)
     finally:
         engine.close()

@@ -45,6 +45,7 @@ from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 
 from coordinator.sim.batched import (
+    AUTO_SLICES_MAX,
     PoolOwner,
     _die_with_parent,
     _keep_freed_memory,
@@ -607,11 +608,12 @@ GENERIC_SLICES = 2   # on the CPU: a round's tasks in this many contiguous slice
 
 def generic_slices(mode: str, device: torch.device) -> int:
     """A round's slices: vmap on the CPU `GENERIC_SLICES`, fixed (the clients that share a computation change its
-    rounding); per-client one per CPU, at least `GENERIC_SLICES` (each client is `local_train` on one thread, the
-    same bits in any slice: a machine's cores all work); on a GPU one."""
+    rounding); per-client one per CPU, from `GENERIC_SLICES` to `AUTO_SLICES_MAX` (each client is `local_train` on
+    one thread, the same bits in any slice: a machine's cores all work; each slice is a worker process holding the
+    model, as --slices auto's); on a GPU one."""
     if device.type != "cpu":
         return 1
-    return max(GENERIC_SLICES, cpus()) if mode == "per-client" else GENERIC_SLICES
+    return max(GENERIC_SLICES, min(cpus(), AUTO_SLICES_MAX)) if mode == "per-client" else GENERIC_SLICES
 
 
 _WORKER: FunctionalEngine | PerClientEngine | None = None
