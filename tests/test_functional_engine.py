@@ -380,3 +380,16 @@ def test_the_transport_records_per_client_mode() -> None:
         assert "each client after client" in transport.summary()[0] and "does not pay" in transport.summary()[0]
     finally:
         transport.batched.close()
+
+
+def test_closing_the_generic_engine_stops_its_mask_drawing_threads() -> None:
+    """GenericEngine.close stops what its in-process engine started (on a GPU the threads that draw the masks;
+    forced here on the CPU) as well as its worker processes."""
+    model, shape = make("mlp", torch.float32)
+    data = make_data([12, 9, 8, 10], shape, torch.float32, seed=2)
+    engine = GenericEngine(model, data, device="cpu", workers=0, mode="vmap")
+    engine.local.draw_threads = 2   # (2 slices of 2 clients: each slice's masks drawn on the threads)
+    engine.run(get_flat(model), [TrainTask(client=c, round=0, lr=0.1, batch_size=4, steps=2, seed=1) for c in range(4)])
+    assert engine.local._drawers is not None
+    engine.close()
+    assert engine.local._drawers is None

@@ -543,10 +543,7 @@ class PerClientEngine:
                 "mode": self.mode, "threads": self.threads, "channels_last_pools": self.large_pools}
 
     def close(self) -> None:
-        """The engine runs in this process: only the mask-drawing threads (on a GPU) to stop."""
-        if self._drawers is not None:
-            self._drawers.shutdown()
-            self._drawers = None
+        """Nothing to stop: the engine runs in this process."""
 
 
 # vmap over clients pays where a step's ops are small (their dispatch, Python and a convolution's per-call setup
@@ -697,6 +694,13 @@ class GenericEngine(PoolOwner):
 
     def describe(self) -> str:
         return self.local.describe()
+
+    def close(self) -> None:
+        """The worker processes, and the in-process engine's threads (on a GPU: its mask drawers)."""
+        super().close()
+        local = getattr(self, "local", None)   # (None where __init__ failed before it; __del__ calls close)
+        if local is not None:
+            local.close()
 
     def details(self) -> dict:
         out = self.local.details() | {"workers": self.workers, "slices": self.groups, "mode": self.mode,
