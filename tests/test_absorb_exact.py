@@ -41,6 +41,7 @@ def run(out, absorbs: bool, *args: str) -> dict:
             "participation": (out / "participation.csv").read_text(), "reports": (out / "reports.jsonl").read_text()}
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 @pytest.mark.parametrize("store, storage", [("memory", "raw"), ("disk", "raw"), ("memory", "lr-normalised")])
 def test_absorbing_mifa_updates_gives_the_same_run(base, store, storage):
     args = ("--state-store", store, "--mifa-storage", storage)
@@ -51,6 +52,7 @@ def test_absorbing_mifa_updates_gives_the_same_run(base, store, storage):
     assert {k: v for k, v in on.items() if k != "absorbed"} == {k: v for k, v in off.items() if k != "absorbed"}
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_a_replay_with_recorded_drops_absorbs_only_what_it_aggregates(base):
     rec = base / "recorded"
     run(rec, True)

@@ -198,6 +198,7 @@ def test_a_script_without_the_guard_gets_one_line_and_nothing_is_written(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_a_script_with_the_guard_runs_on_worker_processes(tmp_path):
     p = _script(tmp_path, "guarded")
     assert p.returncode == 0, p.stderr
@@ -236,6 +237,7 @@ def test_guarded_reads_the_main_test(source, line, ok):
 
 # --- the documented example --------------------------------------------------------------------------------------
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_the_example_of_docs_api_md_runs(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
     assert blocks, "docs/api.md has no python example"

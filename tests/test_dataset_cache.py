@@ -22,6 +22,7 @@ def _cfg(name="fmnist", data_dir=None) -> SimConfig:
     return cfg
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_runs_share_one_decoded_dataset_and_leave_it_as_it_was(tmp_path, fmnist):
     ds = runsetup.load_dataset(_cfg())
     assert runsetup.load_dataset(_cfg()) is ds

@@ -38,6 +38,7 @@ def test_a_diverged_run_records_its_round_and_says_so(tmp_path, capsys) -> None:
     assert diverged_at(out) is None and (out / "model.pt").exists()
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 @pytest.mark.parametrize("executor", ["serial", "lockstep"])
 def test_a_failing_run_does_not_stop_the_sweep(tmp_path, executor) -> None:
     """The run after a diverging one still runs; the error comes at the end, or not at all for a divergence

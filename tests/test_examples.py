@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from examples_pkg import PACKAGE, ROOT, ensure_installed
 
 INTERNAL = ("coordinator", "edge_client", "cvx", "provisioning")
@@ -27,6 +28,7 @@ def test_the_example_package_uses_only_the_public_api():
         assert "monkeypatch" not in path.read_text(), f"{path.relative_to(ROOT)} monkeypatches"
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_the_example_package_installs_and_its_tests_pass(tmp_path):
     ensure_installed()
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}

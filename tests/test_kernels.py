@@ -81,6 +81,7 @@ def test_a_bad_variant_stops_the_run_before_anything_is_written(tmp_path, monkey
     assert not out.exists()
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_the_source_cross_compiles_for_aarch64(tmp_path) -> None:
     """The source builds for a Pi or Jetson (aarch64, NEON) with Debian's cross compiler: no x86-only
     code. Object file only (nothing to run it on here)."""

@@ -43,6 +43,7 @@ def _on_terminal(*args) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_a_line_per_evaluation_and_none_with_quiet(tmp_path):
     loud = _dropfl("sim", *TINY, "--out", str(tmp_path / "loud"))
     assert loud.returncode == 0, loud.stderr
@@ -57,6 +58,7 @@ def test_a_line_per_evaluation_and_none_with_quiet(tmp_path):
     assert again.returncode == 0 and "[sim] engine:" in again.stderr and "round 1/3" not in again.stderr
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_quiet_keeps_warnings_and_errors(tmp_path):
     warned = _dropfl("sim", *TINY, "--quiet", "--availability", "diurnal", "--period", "2",
                      "--out", str(tmp_path / "w"))

@@ -59,6 +59,7 @@ def test_resume_truncates_reports_like_the_participation_log(tmp_path):
         map(str, range(N)))  # FedAvg in simulation without a clock profile: updates carry no report
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 @pytest.mark.parametrize("damage", ["missing round", "damaged row"])
 def test_an_incomplete_or_damaged_reports_file_is_refused(tmp_path, capsys, damage):
     sim(tmp_path / "R", "--algo", "fedcs", "--rounds", "3")

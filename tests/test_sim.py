@@ -37,6 +37,7 @@ def test_replay_reproduces_participation_and_model(tmp_path):
     assert (a / "model.pt").exists() and json.loads((a / "config.json").read_text())["run"]["rounds"] == 6
 
 
+@pytest.mark.slow   # the edit loop's heaviest (make test-fast); make test runs it
 def test_resume_gives_same_model(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     args = [*TINY, "--availability", "bounded", "--tau-max", "3"]
