@@ -28,6 +28,7 @@ Writes gpu_throughput.json and .md to `--out` (default benchmarks/results). Need
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -51,16 +52,8 @@ from coordinator.sim.transport import SimTransport  # noqa: E402
 from edge_client.models import MODELS, build_model, get_flat  # noqa: E402
 from edge_client.trainer import TrainTask  # noqa: E402
 
-FLOWER_DEVICE = "cuda"
 MODEL_SHAPES = {"cifar-lenet": (3, 32, 32), "vgg11": (3, 32, 32)}   # the others: FMNIST's (1, 28, 28)
 MODEL_STEPS = {"vgg11": 2}   # the auto check's local steps (default 10): vgg11's round on the CPU takes seconds
-
-
-def synthetic(clients: int, samples: int, shape: tuple[int, ...], seed: int = 1) -> list:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(clients, samples, *shape, generator=g)
-    y = torch.randint(0, 10, (clients, samples), generator=g)
-    return [(x[i], y[i]) for i in range(clients)]
 
 
 def sim(model: torch.nn.Module, data: list, device: str) -> SimTransport:
@@ -118,20 +111,13 @@ def profile_gpu_round(t: SimTransport, w: torch.Tensor, wl: Workload, steps: int
             "top_kernels": [{"kernel": k[:90], "gpu_s": v} for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:8]]}
 
 
-def flower(py: str, name: str, wl: Workload, data: list, steps: int, rounds: int, actors: int,
-           timeout: float) -> dict:
+def flower(py: str, name: str, wl: Workload, data: list, rounds: int, actors: int, timeout: float) -> dict:
+    """Flower's simulation of the workload with its actors sharing the GPU (sim_throughput.flower_rate)."""
     with tempfile.TemporaryDirectory() as folder:
-        for i, (x, y) in enumerate(data):
-            torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(folder, f"client_{i}.pt"))
-        out = Path(folder) / "flower.json"
-        cmd = [py, str(st.HERE / "flower_sim.py"), "--data", folder, "--steps", str(steps), "--rounds", str(rounds),
-               "--out", str(out), "--workload", name, "--batch", str(wl.batch), "--lr", str(wl.lr),
-               "--per-round", str(wl.per_round if wl.per_round < wl.clients else 0), "--device", FLOWER_DEVICE,
-               "--actors", str(actors)]
-        proc = st.run_framework(cmd, {**os.environ, "RAY_worker_niceness": "0"}, timeout)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"Flower simulation failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        st.write_clients(folder, data)
+        return st.flower_rate(folder, wl.steps, rounds, name, wl.batch, wl.lr,
+                              wl.per_round if wl.per_round < wl.clients else 0, timeout, python=py, device="cuda",
+                              actors=actors)
 
 
 def main() -> None:
@@ -169,16 +155,14 @@ def main() -> None:
     for name in names:
         wl = WORKLOADS[name]
         model = st.workload_model(name, wl)
-        data = synthetic(wl.clients, wl.samples, wl.shape)
+        data = st.synthetic_data(wl.clients, wl.samples, wl.shape)
         w = get_flat(model)
         ts = engines(name, model, data)
         auto = sim(model, data, "auto")   # where --sim-device auto trains it here
         rec: dict = {"engines": {e: {"describe": t.describe(), "rates": []} for e, t in ts.items()},
                      "auto": auto.describe(), "steps": wl.steps,
                      "client_steps_per_round": min(wl.per_round, wl.clients) * wl.steps}
-        close = getattr(auto.batched, "close", None)
-        if close:
-            close()
+        auto.close()
         for t in ts.values():   # warm-up: worker start-up, CUDA context, kernel builds
             st.train_rate(t, w, wl, st.cohort(wl, 0), 0, 1)
         for r in range(args.repeats):
@@ -200,14 +184,13 @@ def main() -> None:
         except Exception as ex:   # noqa: BLE001 - a profiler failure is recorded, the rates stand
             rec["profile"] = {"error": f"{type(ex).__name__}: {ex}"}
         for t in ts.values():
-            if getattr(t.batched, "close", None):
-                t.batched.close()
+            t.close()
         if args.flower_python and args.flower_workloads not in ("all", "") and \
                 name not in args.flower_workloads.split(","):
             rec["flower"] = {"client_steps_per_s": None, "error": "not measured: not in --flower-workloads"}
         elif args.flower_python and left() > 60:
             try:
-                run = flower(args.flower_python, name, wl, data, wl.steps, args.flower_rounds, args.flower_actors,
+                run = flower(args.flower_python, name, wl, data, args.flower_rounds, args.flower_actors,
                              timeout=max(left(), 60))
                 rec["flower"] = {"client_steps_per_s": run["client_steps_per_s"], "rounds": run["rounds"],
                                  "total_seconds": run["total_seconds"], "actors": args.flower_actors}
@@ -229,23 +212,20 @@ def main() -> None:
             result["models"][m] = {"error": "not measured: time budget spent"}
             continue
         shape = MODEL_SHAPES.get(m, (1, 28, 28))
-        wl = Workload(short.clients, short.per_round, short.samples, short.batch, MODEL_STEPS.get(m, short.steps),
-                      short.lr, shape, True)
+        wl = dataclasses.replace(short, steps=MODEL_STEPS.get(m, short.steps), shape=shape)
         model = build_model(m, shape, 10, seed=0)
-        data = synthetic(wl.clients, wl.samples, shape)
+        data = st.synthetic_data(wl.clients, wl.samples, shape)
         w = get_flat(model)
         row: dict = {"shape": list(shape), "steps": wl.steps}
         auto = sim(model, data, "auto")
         row["auto"] = auto.describe()
-        if getattr(auto.batched, "close", None):
-            auto.batched.close()
+        auto.close()
         for dev in ("cpu", "cuda"):
             t = sim(model, data, dev)
             st.train_rate(t, w, wl, st.cohort(wl, 0), 0, 1)
             rates = [st.train_rate(t, w, wl, st.cohort(wl, r), r, wl.steps) for r in (1, 2)]
             row[dev] = {"describe": t.describe(), "client_steps_per_s": statistics.median(rates)}
-            if getattr(t.batched, "close", None):
-                t.batched.close()
+            t.close()
         row["faster"] = "cuda" if row["cuda"]["client_steps_per_s"] > row["cpu"]["client_steps_per_s"] else "cpu"
         result["models"][m] = row
         print(m, row, flush=True)

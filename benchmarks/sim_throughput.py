@@ -148,11 +148,13 @@ def run_framework(cmd: list[str], env: dict | None = None, timeout: float | None
 
 
 def flower_rate(data_dir: str, steps: int, rounds: int, workload: str = "mimic-fmnist", batch: int = BATCH,
-                lr: float = 0.01, per_round: int = 0, timeout: float | None = None) -> dict:
+                lr: float = 0.01, per_round: int = 0, timeout: float | None = None, python: str = str(FLOWER_PY),
+                device: str = "cpu", actors: int = 2) -> dict:
+    """flower_sim.py with `python` (default: benchmarks/.venv-flower's) on the clients in `data_dir`."""
     out = Path(data_dir) / "flower.json"
-    cmd = [str(FLOWER_PY), str(HERE / "flower_sim.py"), "--data", data_dir, "--steps", str(steps),
+    cmd = [python, str(HERE / "flower_sim.py"), "--data", data_dir, "--steps", str(steps),
            "--rounds", str(rounds), "--out", str(out), "--workload", workload, "--batch", str(batch),
-           "--lr", str(lr), "--per-round", str(per_round)]
+           "--lr", str(lr), "--per-round", str(per_round), "--device", device, "--actors", str(actors)]
     # Ray starts its workers at niceness 15 by default; with other work on the machine that would
     # slow Flower down unfairly, so its actors run at the same priority as our processes.
     env = {**os.environ, "RAY_worker_niceness": "0"}
@@ -238,12 +240,22 @@ def peak_flops(n: int = 2048, reps: int = 10) -> float:
 def workload_data(name: str, wl: Workload) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The workload's clients' data: real FMNIST (mimic-fmnist, as the default mode) or CIFAR-shaped random
     images in [0, 1) with random labels of 10 classes (seeded)."""
-    if not wl.synthetic:
-        return federation()
+    return federation() if not wl.synthetic else synthetic_data(wl.clients, wl.samples, wl.shape)
+
+
+def synthetic_data(clients: int, samples: int, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`clients` clients of `samples` random images of `shape` in [0, 1), random labels of 10 classes (seeded)."""
     g = torch.Generator().manual_seed(1)
-    x = torch.rand(wl.clients, wl.samples, *wl.shape, generator=g)
-    y = torch.randint(0, 10, (wl.clients, wl.samples), generator=g)
-    return [(x[i], y[i]) for i in range(wl.clients)]
+    x = torch.rand(clients, samples, *shape, generator=g)
+    y = torch.randint(0, 10, (clients, samples), generator=g)
+    return [(x[i], y[i]) for i in range(clients)]
+
+
+def write_clients(folder: str, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The clients' data as the other frameworks' scripts load it: `folder`/client_<i>.pt = {"x", "y"} (clones: a
+    view would save the whole federation's storage)."""
+    for i, (x, y) in enumerate(data):
+        torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(folder, f"client_{i}.pt"))
 
 
 def workload_model(name: str, wl: Workload) -> torch.nn.Module:
@@ -420,8 +432,7 @@ def run_workloads(args: argparse.Namespace) -> None:
                 train_rate(t, w, wl, cohort(wl, 0), 0, 2)
         folder = os.path.join(tmp.name, name)
         os.makedirs(folder)
-        for i, (x, y) in enumerate(data):   # (clone: a view would save the whole federation's storage)
-            torch.save({"x": x.clone(), "y": y.clone()}, os.path.join(folder, f"client_{i}.pt"))
+        write_clients(folder, data)
         flop = flops_per_step(model, wl.shape, wl.batch)
         sliced = ["generic_sliced"] if 0 < args.generic_slice < min(wl.per_round, wl.clients) else []
         engines = [*ts, *sliced, *(["flower"] if flower_status == "measured" else []),
@@ -688,8 +699,7 @@ def main() -> None:
     if before:
         engines["dropfl_before"] = before.describe
     tmp = tempfile.TemporaryDirectory(prefix="dropfl-flower-")
-    for i, (x, y) in enumerate(data):
-        torch.save({"x": x, "y": y}, os.path.join(tmp.name, f"client_{i}.pt"))
+    write_clients(tmp.name, data)
 
     flop = flops_per_step()
     names = [*transports, *(["dropfl_before"] if before else []), "agent", "bound", "flower"]
