@@ -29,6 +29,7 @@ from edge_client import determinism
 from edge_client.models import build_model, get_flat
 from edge_client.trainer import TrainTask, local_train
 from tests.test_functional_engine import TinyCNN, TinyResNet
+from tests.test_functional_engine import make_data as generic_data
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -105,11 +106,6 @@ def test_tf32_is_off_once_the_engine_is_built() -> None:
 GENERIC = {"cnn": (TinyCNN, (1, 14, 14)), "resnet": (TinyResNet, (3, 8, 8))}
 
 
-def generic_data(shape: tuple[int, ...], sizes: list[int], dtype: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.rand(n, *shape, generator=g).to(dtype), torch.randint(0, 10, (n,), generator=g)) for n in sizes]
-
-
 @pytest.mark.parametrize("name", list(GENERIC))
 def test_the_generic_engine_on_cuda_matches_the_cpu_loop_in_float64(name: str) -> None:
     from coordinator.sim.functional import FunctionalEngine
@@ -117,7 +113,7 @@ def test_the_generic_engine_on_cuda_matches_the_cpu_loop_in_float64(name: str) -
     torch.manual_seed(0)
     model = cls().double()
     w = get_flat(model)
-    data = generic_data(shape, [15, 12, 6, 9], torch.float64, seed=2)
+    data = generic_data([15, 12, 6, 9], shape, torch.float64, seed=2)
     tasks = mixed_tasks(w)
     engine = FunctionalEngine(model, data, device="cuda")
     try:
@@ -144,7 +140,7 @@ def test_two_generic_cuda_runs_are_bit_identical(name: str) -> None:
     torch.manual_seed(0)
     model = cls()
     w = get_flat(model)
-    data = generic_data(shape, [40, 33, 17, 24], torch.float32, seed=4)
+    data = generic_data([40, 33, 17, 24], shape, torch.float32, seed=4)
     tasks = [TrainTask(client=i, round=1, lr=0.05, batch_size=16, epochs=2, seed=3) for i in range(4)]
     runs = []
     for _ in range(2):
