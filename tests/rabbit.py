@@ -159,6 +159,10 @@ class RabbitCluster:
                 parts.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-n:])
         return "\n".join(parts)
 
+    def log_text(self, i: int) -> str:
+        """Node i's whole log (what the broker itself recorded)."""
+        return "\n".join(f.read_text(errors="replace") for f in sorted((self.dir / f"node{i + 1}").rglob("*.log")))
+
     def add_user(self, name: str, password: str) -> None:
         """An account for MQTT clients that send a username (RabbitMQ authenticates every username;
         only a client without one is the anonymous `guest`), with all rights on the default vhost."""

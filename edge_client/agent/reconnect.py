@@ -9,7 +9,8 @@ successful CONNACK. Two things that fail with that alone, measured on a 3-node R
    ... of durable queue ... is down`), on every node, until the dead node returns. Because the CONNACK reset
    paho's delay, it retried every ~0.2 s (96 connects in 20 s for one probe client). A fresh client id gets a
    new queue on the live node and works at once; dropfl's sessions are clean, so nothing is lost by it that
-   the protocol does not already re-send (docs/protocol.md).
+   the protocol does not already re-send (docs/protocol.md). (In some runs RabbitMQ instead force-deletes
+   the old queue when the client reconnects; then the old id is accepted and no fresh one is needed.)
 2. **No jitter**: a fleet cut off at one instant retries in lockstep.
 
 `Reconnect` keeps its own backoff: full jitter, a delay drawn uniformly from [min_delay, min(max_delay,
