@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -398,8 +399,9 @@ def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others
     (edge_client/agent/reconnect.py) and resume on the live nodes; the old queues stay on the dead node and an
     `expires` policy deletes them once it is back. (b) The plugin's clean-session `queue.delete` at the
     reconnect force-deletes the old queue (`master node is down ... Forcing queue deletion` in the live node's
-    log) and the client goes on with its old id. Which one ran is read from the broker's own records (its
-    queue list while the node is down, its log), and that path's consequences are asserted. Either way the run
+    log) and the client goes on with its old id. Each client takes its own path (one run: the coordinator's
+    queue force-deleted, agent 0's kept). Which one each took is read from the broker's own records (its queue
+    list while the node is down, its logs), and that path's consequences are asserted. Either way the run
     completes with the fault harness's invariants held (tests/faultkit.py: participants real, drops true,
     nothing lost or aggregated twice, replay bit for bit), the coordinator's outage recorded in round 1, a few
     reconnects per process (no storm), and no old queue left once the node is back."""
@@ -414,7 +416,7 @@ def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others
         rc.ctl(0, "set_policy", "mqtt-expires", "^mqtt-subscription-", '{"expires": 10000}', "--apply-to", "queues")
         o = run_scenario(CLUSTER_NODE_KILL, tmp_path / "trial", cluster=rc, cluster_victims=(0,))
         queues = rc.ctl(2, "list_queues", "name", "pid")
-        live_logs = {k: rc.log_text(k) for k in (1, 2)}
+        live_logs, dead_log = {k: rc.log_text(k) for k in (1, 2)}, rc.log_text(0)
         restart_s = rc.start_node(0)
         after, t_back = rc.ctl(2, "list_queues", "name", "pid"), time.monotonic()
         while "mqtt-subscription-" in (left := rc.ctl(2, "list_queues", "name")) and time.monotonic() < t_back + 120:
@@ -427,18 +429,22 @@ def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others
           f"\nqueues after its restart:\n{after}\nold queues gone {expired_s:.1f} s after the node was back")
     o.assert_held()
     assert "mqtt-subscription-" not in left, left  # gone once the node is back (path a: by the expires policy)
-    agent0 = (tmp_path / "trial" / "client-0.log").read_text()
-    old_queue = "mqtt-subscription-dropfl-client-0qos1"
-    if old_queue in queues:  # path (a): the old queue stayed on the dead node
-        print("RabbitMQ path (a): the old queue stayed on the dead node; client 0 refused, then a fresh id")
-        assert "as dropfl-client-0-r1" in agent0  # refused on its old id, then a fresh one
-    else:  # path (b): force-deleted at the reconnect, by the broker's own account
-        print("RabbitMQ path (b): the old queue force-deleted at the reconnect; client 0 kept its id")
-        forced = [line for k in (1, 2) for line in live_logs[k].splitlines()
-                  if "Forcing queue deletion" in line and old_queue in line]
-        assert forced, f"{old_queue} neither on the dead node nor force-deleted:\n{queues}"
-        assert "as dropfl-client-0-r" not in agent0  # nothing refused it: no fresh id needed
-    assert "dropfl-coordinator-" in (tmp_path / "trial" / "coordinator.log").read_text()
+    # the dead node's clients: agent 0 and the coordinator (its first client id from the brokers' logs); each takes
+    # its own path (one run had the coordinator's old queue force-deleted and agent 0's kept)
+    coordinator = re.search(r"client id: (dropfl-coordinator-[0-9a-f]+)\)", dead_log + "".join(live_logs.values()))
+    assert coordinator, "the coordinator's connection is in no node's log"
+    for base, log in (("dropfl-client-0", tmp_path / "trial" / "client-0.log"),
+                      (coordinator.group(1), tmp_path / "trial" / "coordinator.log")):
+        text, old_queue = log.read_text(), f"mqtt-subscription-{base}qos1"
+        if old_queue in queues:  # path (a): the old queue stayed on the dead node
+            print(f"{base}: RabbitMQ path (a), its old queue stayed on the dead node; refused, then a fresh id")
+            assert f"as {base}-r1" in text  # refused on its old id, then a fresh one
+        else:  # path (b): force-deleted at the reconnect, by the broker's own account
+            print(f"{base}: RabbitMQ path (b), its old queue force-deleted at the reconnect; kept its id")
+            forced = [line for k in (1, 2) for line in live_logs[k].splitlines()
+                      if "Forcing queue deletion" in line and old_queue in line]
+            assert forced, f"{old_queue} neither on the dead node nor force-deleted:\n{queues}"
+            assert f"as {base}-r" not in text  # nothing refused it: no fresh id needed
     assert all(n <= 10 for n in o.notes["reconnects"].values()), o.notes["reconnects"]  # no storm
     assert o.recorded["participants"][-1] == CLUSTER_NODE_KILL.agents
 
