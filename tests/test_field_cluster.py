@@ -399,7 +399,8 @@ def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others
     (edge_client/agent/reconnect.py) and resume on the live nodes; the old queues stay on the dead node and an
     `expires` policy deletes them once it is back. (b) The plugin's clean-session `queue.delete` at the
     reconnect force-deletes the old queue (`master node is down ... Forcing queue deletion` in the live node's
-    log) and the client goes on with its old id. Each client takes its own path (one run: the coordinator's
+    log) and the client is not refused on its old id (a fresh one only where the broker drops a connection before
+    its SUBACK for another reason, as after any such drop). Each client takes its own path (one run: the coordinator's
     queue force-deleted, agent 0's kept). Which one each took is read from the broker's own records (its queue
     list while the node is down, its logs), and that path's consequences are asserted. Either way the run
     completes with the fault harness's invariants held (tests/faultkit.py: participants real, drops true,
@@ -440,11 +441,14 @@ def test_three_nodes_the_coordinators_node_killed_everyone_resumes_on_the_others
             print(f"{base}: RabbitMQ path (a), its old queue stayed on the dead node; refused, then a fresh id")
             assert f"as {base}-r1" in text  # refused on its old id, then a fresh one
         else:  # path (b): force-deleted at the reconnect, by the broker's own account
-            print(f"{base}: RabbitMQ path (b), its old queue force-deleted at the reconnect; kept its id")
             forced = [line for k in (1, 2) for line in live_logs[k].splitlines()
                       if "Forcing queue deletion" in line and old_queue in line]
             assert forced, f"{old_queue} neither on the dead node nor force-deleted:\n{queues}"
-            assert f"as {base}-r" not in text  # nothing refused it: no fresh id needed
+            # its old id is not refused; a fresh one only where the broker dropped a connection for another reason
+            # before its SUBACK (seen: `queue.bind ... no queue '...qos0'` while the dead node's transient queues
+            # were being deleted), as after any such drop
+            print(f"{base}: RabbitMQ path (b), its old queue force-deleted at the reconnect; "
+                  + ("then a fresh id after a dropped subscription" if f"as {base}-r" in text else "kept its id"))
     assert all(n <= 10 for n in o.notes["reconnects"].values()), o.notes["reconnects"]  # no storm
     assert o.recorded["participants"][-1] == CLUSTER_NODE_KILL.agents
 
