@@ -152,16 +152,20 @@ class RabbitCluster:
                                f"{p.stdout[-2000:]}{p.stderr[-2000:]}")
         return p.stdout
 
+    def log_files(self, i: int) -> list[Path]:
+        """Node i's log files (RabbitMQ's own, not its console output)."""
+        return sorted((self.dir / f"node{i + 1}").rglob("*.log"))
+
     def log_tail(self, i: int, n: int = 3000) -> str:
         parts = []
-        for f in sorted((self.dir / f"node{i + 1}").rglob("*.log")) + [self.dir / f"node{i + 1}" / "server.out"]:
+        for f in self.log_files(i) + [self.dir / f"node{i + 1}" / "server.out"]:
             if f.exists():
                 parts.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-n:])
         return "\n".join(parts)
 
     def log_text(self, i: int) -> str:
         """Node i's whole log (what the broker itself recorded)."""
-        return "\n".join(f.read_text(errors="replace") for f in sorted((self.dir / f"node{i + 1}").rglob("*.log")))
+        return "\n".join(f.read_text(errors="replace") for f in self.log_files(i))
 
     def add_user(self, name: str, password: str) -> None:
         """An account for MQTT clients that send a username (RabbitMQ authenticates every username;
