@@ -203,7 +203,9 @@ def num_params(model: nn.Module) -> int:
 
 
 def get_flat(model: nn.Module) -> torch.Tensor:
-    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    """The parameters as one new flat vector (torch.cat's copy: it shares no memory with the model), each in its
+    logical (NCHW) order whatever its memory format (a channels-last parameter is not a view of a flat vector)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 @torch.no_grad()
