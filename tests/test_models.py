@@ -31,8 +31,9 @@ def test_unknown_model():
 
 def test_a_channels_last_model_has_the_same_flat_vector_and_trains():
     """A model whose parameters are channels-last (a user's `.to(memory_format=torch.channels_last)`) gives the same
-    flat vector as its NCHW copy (each parameter in its logical order), takes one back, and trains with the loop
-    to float rounding of the NCHW model's update (oneDNN sums NHWC convolutions in another order)."""
+    flat vector as its NCHW copy (each parameter in its logical order), takes one back, trains with the loop to
+    float rounding of the NCHW model's update (oneDNN sums NHWC convolutions in another order), and on the generic
+    engine's vmap mode to the NCHW model's bits."""
     from edge_client.trainer import TrainTask, local_train
 
     nchw = build_model("cifar-lenet", (3, 32, 32), seed=2)
@@ -50,3 +51,9 @@ def test_a_channels_last_model_has_the_same_flat_vector_and_trains():
     b = local_train(nhwc, w, x.contiguous(memory_format=torch.channels_last), y, task)
     assert a.steps == b.steps == 3
     assert torch.allclose(a.delta, b.delta, rtol=0, atol=1e-6 * float(a.delta.abs().max()) + 1e-8)
+    # the generic engine's vmap mode takes its weights from the flat vector: the model's layout does not matter
+    from coordinator.sim.functional import FunctionalEngine
+    data = [(x, y)]
+    task = TrainTask(client=0, round=1, lr=0.05, batch_size=8, steps=3, seed=4)
+    one, other = (FunctionalEngine(m, data, device="cpu", threads=1).run(w, [task])[0] for m in (nchw, nhwc))
+    assert torch.equal(one.delta, other.delta)
