@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast test-device lint bench clean
+.PHONY: setup demo test test-fast test-device test-emulated-cpu lint bench clean
 setup:
 	bash scripts/bootstrap.sh
 
@@ -27,6 +27,11 @@ test-fast: setup
 # the network (deb.debian.org, PyPI)
 test-device: setup
 	DROPFL_TEST_DEVICE=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_emulated_pi.py
+
+# The engine tier on an emulated AMD EPYC with AVX2 and no AVX-512 (scripts/emulated-cpu.sh: qemu-user's EPYC-Rome
+# CPU model, so torch, oneDNN and MKL choose their paths from the CPU itself); needs root; ~16 min on 2 cores
+test-emulated-cpu: setup
+	scripts/emulated-cpu.sh
 
 lint: setup
 	$(BIN)/ruff check coordinator edge_client cvx provisioning tests benchmarks

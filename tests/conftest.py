@@ -46,8 +46,8 @@ TIERS = {
         "test_tracking", "test_trial_cli", "test_trial_supervise", "test_trial_tls",
     ),
     "device": (
-        "test_agent_device", "test_cuda", "test_device_pythons", "test_emulated_pi", "test_provision_plugins",
-        "test_setup_device",
+        "test_agent_device", "test_cuda", "test_device_pythons", "test_emulated_cpu", "test_emulated_pi",
+        "test_provision_plugins", "test_setup_device",
     ),
 }
 # a test that needs a broker, root or a cluster is a field test wherever it lives
