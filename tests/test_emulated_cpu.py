@@ -37,9 +37,12 @@ def why_not() -> str | None:
     return None
 
 
+WHY_NOT = why_not()
+
+
 def test_without_qemu_it_is_one_line_and_runs_nothing(tmp_path):
     if os.geteuid() != 0:
-        pytest.skip("the script checks root first")
+        pytest.skip("needs root: the script refuses a non-root user before it looks for qemu")
     bin_dir = tmp_path / "bin"   # a PATH with what the script needs but qemu
     bin_dir.mkdir()
     for exe in ("bash", "dirname", "id", "uname", "mktemp", "rm"):
@@ -51,7 +54,7 @@ def test_without_qemu_it_is_one_line_and_runs_nothing(tmp_path):
     assert run.stdout == ""
 
 
-@pytest.mark.skipif(why_not() is not None, reason=why_not() or "")
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 def test_the_cpu_dependent_engine_tests_pass_on_an_emulated_avx2_amd_epyc(tmp_path):
     run = subprocess.run(["bash", str(SCRIPT), "-n", "2", "--dist", "loadfile", "-rs", "--basetemp",
                           str(tmp_path / "inner"), *FILES], capture_output=True, text=True, timeout=1800, cwd=ROOT)
