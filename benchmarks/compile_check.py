@@ -164,8 +164,9 @@ def main() -> None:
         runs.append({"capability": cap, "rows": json.loads(lines[-1])["rows"],
                      "seconds": round(time.perf_counter() - start, 1)})
     import platform
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+
+    from machine import cpu_model
+    cpu = cpu_model()
     flags = Path("/proc/cpuinfo").read_text()
     isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     meta = {"cpu": f"{cpu} ({isa})", "torch": torch.__version__, "python": platform.python_version(),

@@ -17,6 +17,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 workloads = importlib.import_module("workloads")
 sim_throughput = importlib.import_module("sim_throughput")
+machine = importlib.import_module("machine")
 
 
 @pytest.mark.parametrize("name", list(workloads.WORKLOADS))
@@ -91,3 +92,12 @@ def test_the_gpu_benchmark_without_a_gpu_is_one_line_and_its_record_is_its_own_r
     record = json.loads((BENCH / "results" / "gpu_throughput.json").read_text())
     assert gpu.markdown(record) == (BENCH / "results" / "gpu_throughput.md").read_text()
     assert set(record["workloads"]) == set(workloads.WORKLOADS)
+
+
+def test_the_results_name_a_cpu_by_its_model_and_a_vm_s_bare_line_by_its_family_and_model_too():
+    block = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: {name}\n\n"
+    two = block.format(n=0, f=26, m=2, name="AMD EPYC") + block.format(n=1, f=99, m=9, name="other")
+    assert machine.cpu_model(two) == "AMD EPYC (family 26, model 2)"   # the first CPU's block
+    named = block.format(n=0, f=6, m=106, name="Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz")
+    assert machine.cpu_model(named) == "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"
+    assert machine.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC\n") == "AMD EPYC"   # no family: as it is
