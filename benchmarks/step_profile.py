@@ -23,10 +23,11 @@ layers' steps (the fully connected layers' are under fc matmuls), and no part ti
 client's operands in cache.
 
 Each part's FLOPs are torch's FlopCounterMode count of the reference model's step (the same count the FLOP
-bound of `sim_throughput.py` divides by), so its GFLOP/s compare with the 1-thread peak: a 2048² fp32 matmul
-measured in the same process (`sim_throughput.peak_flops`, best of 10). The four kernels and fc1's forward matmul
-are then timed again alone, on the last step's very operands (min of 50 calls): the difference to their time in
-the step is what the step's cache traffic costs them. Timing wrappers cost ~0.3 µs a call (~17 calls a step).
+bound of `sim_throughput.py` divides by), so its GFLOP/s compare with the 1-thread peak: the faster of a 2048² fp32
+matmul and a big 3×3 convolution measured in the same process (`sim_throughput.peak_flops`, best of 10 each).
+The four kernels and fc1's forward matmul are then timed again alone, on the last step's very operands (min
+of 50 calls): the difference to their time in the step is what the step's cache traffic costs them. Timing
+wrappers cost ~0.3 µs a call (~17 calls a step).
 Like the engine's worker processes, the process keeps freed memory (`batched._keep_freed_memory`).
 
     .venv/bin/python benchmarks/step_profile.py [--clients 15] [--steps 100] [--calls 5]
@@ -55,7 +56,7 @@ from edge_client.models import build_model, get_flat  # noqa: E402
 from edge_client.trainer import TrainTask  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_throughput import peak_flops  # noqa: E402  (the bound's matmul rate, here on 1 thread)
+from sim_throughput import peak_flops  # noqa: E402  (the bound's peak rate, here on 1 thread)
 
 HERE = Path(__file__).resolve().parent
 SAMPLES, BATCH = 2000, 16
@@ -246,8 +247,9 @@ def main() -> None:
     md = ["# Where a step goes (benchmarks/step_profile.py)\n",
           f"`{result['command']}`, {result['date']}, 1-min load {result['load'][0]:.2f}\n",
           f"{result['workload']}. One step: **{step_ms:.2f} ms** for {step_flops / 1e6:.0f} MFLOP = "
-          f"**{result['of_peak']:.1%} of the 1-thread peak** ({peak / 1e9:.0f} GFLOP/s, a 2048² fp32 matmul in the "
-          f"same process); 65 % of that peak would be {result['step_ms_at_65_percent']:.2f} ms.\n",
+          f"**{result['of_peak']:.1%} of the 1-thread peak** ({peak / 1e9:.0f} GFLOP/s, the faster of a 2048² fp32 "
+          f"matmul and a 3×3 convolution in the same process); 65 % of that peak would be "
+          f"{result['step_ms_at_65_percent']:.2f} ms.\n",
           "| part | ms/step | share | MFLOP | GFLOP/s | of peak | alone, ms |", "|---|---:|---:|---:|---:|---:|---:|"]
     def fmt(v: float | None, f: str) -> str:
         return "" if v is None else format(v, f)
