@@ -572,6 +572,12 @@ def run_workloads(args: argparse.Namespace) -> None:
     print(workloads_markdown(out))
 
 
+def peak_words(setup: dict) -> str:
+    """How a record's peak was measured, in its table's words: records before `PEAK_METHOD` timed the matmul alone."""
+    return ("fp32: the faster of a 2048² matmul and a 3×3 convolution" if setup.get("peak_method")
+            else "2048² fp32 matmul")
+
+
 def workloads_markdown(o: dict) -> str:
     m, s = o["machine"], o["setup"]
     f = lambda v, fmt: "" if v is None else format(v, fmt)   # noqa: E731
@@ -598,8 +604,7 @@ def workloads_markdown(o: dict) -> str:
                   f"{u['clients']:,} clients × {u['samples']} samples ({u['data']}, input {u['input']}), "
                   f"{u['clients_per_round']} per round, batch {u['batch']}, {u['steps']} local steps, lr {u['lr']}; "
                   f"{u['parameters']:,} parameters, {u['flops_per_step'] / 1e6:.1f} MFLOP per step (FlopCounterMode), "
-                  f"peak {u['peak_flops'] / 1e9:.0f} GFLOP/s (fp32: the faster of a 2048² matmul and a 3×3 "
-                  "convolution). Load "
+                  f"peak {u['peak_flops'] / 1e9:.0f} GFLOP/s ({peak_words(u)}). Load "
                   f"{min(loads, default=0):.2f}–{max(loads, default=0):.2f}.", "",
                   "| engine | what ran | client-steps/s | × loop |" + (" × loop_1t |" if one else "")
                   + " × Flower | × pfl | of FLOP bound |",
@@ -615,7 +620,8 @@ def workloads_markdown(o: dict) -> str:
             lines.append(f"| {e} | `{what}` | {v:,.1f} | {f(row['x_loop'], '.2f')} | "
                          + (f"{f(row['x_loop_1t'], '.2f')} | " if one else "")
                          + f"{f(row['x_flower'], '.2f')} | {f(row['x_pfl'], '.2f')} | {row['of_flop_bound']:.1%} |")
-        lines.append(f"| bound | FLOP bound (the peak kernels on {o['machine']['cpus']} threads) | "
+        kernels = "the peak kernels" if u.get("peak_method") else "the matmul"
+        lines.append(f"| bound | FLOP bound ({kernels} on {o['machine']['cpus']} threads) | "
                      f"{r['bound']:,.1f} | |"
                      + (" |" if one else "") + " | | 100% |")
         p = r.get("profile_generic")

@@ -101,3 +101,15 @@ def test_the_results_name_a_cpu_by_its_model_and_a_vm_s_bare_line_by_its_family_
     named = block.format(n=0, f=6, m=106, name="Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz")
     assert machine.cpu_model(named) == "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"
     assert machine.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC\n") == "AMD EPYC"   # no family: as it is
+
+
+@pytest.mark.parametrize("record", ["sim_throughput_workloads", "sim_throughput_workloads_zen5"])
+def test_each_committed_benchmark_of_record_is_its_own_rendering(record):
+    """The markdown is `workloads_markdown` of the JSON beside it, records from before the peak's two kernels
+    included (their bound says it was the matmul alone)."""
+    import json
+    o = json.loads((BENCH / "results" / f"{record}.json").read_text())
+    md = (BENCH / "results" / f"{record}.md").read_text()
+    assert sim_throughput.workloads_markdown(o).strip() == md.strip()
+    first = next(iter(o["workloads"].values()))["setup"]
+    assert ("the peak kernels" in md) == ("peak_method" in first) != ("(the matmul on" in md)
