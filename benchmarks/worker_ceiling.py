@@ -1,0 +1,160 @@
+"""What two cores give per-client training, and what the generic engine's worker processes get of it.
+
+The generic engine trains the CIFAR workloads' clients with `local_train`, one client after another, in one worker
+process of one thread per core (per-client mode). Its ceiling on a machine is what that many independent processes
+doing the same work reach at once: the cores share caches and memory bandwidth, so two processes need not give twice
+one. For each workload this measures, side by side in one run (`--repeats` rounds each, the first of each set
+dropped as start-up, the median kept):
+
+- `one process`: a process training half the round's clients (each client's `local_train` on one thread), alone;
+- `two processes`: two such processes at once, each half the clients; their rates summed (the ceiling);
+- `engine`: `GenericEngine` in per-client mode, 2 worker processes, the whole round (`run`: the clients' results
+  back in this process, each delta its own tensor).
+
+`engine ÷ two processes` is what the engine's own work costs (handing the round out, packing the deltas into shared
+memory, unpacking them here); `two ÷ one` is what the second core gives.
+
+    .venv/bin/python benchmarks/worker_ceiling.py   # writes benchmarks/results/worker_ceiling.{md,json}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from machine import cpu_model  # noqa: E402
+from workloads import WORKLOADS, build  # noqa: E402
+
+from edge_client.models import SeededDropout, get_flat  # noqa: E402
+from edge_client.trainer import TrainTask, local_train  # noqa: E402
+
+NAMES = ("resnet8-cifar", "pfl-cifar10")
+
+
+def setup(name: str, clients: int):
+    """The workload's model (dropfl's: SeededDropout), `clients` clients' synthetic data and their tasks."""
+    wl = WORKLOADS[name]
+    model = build(name, dropout=SeededDropout, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.rand(wl.samples, *wl.shape, generator=gen), torch.randint(0, 10, (wl.samples,), generator=gen))
+            for _ in range(clients)]
+    tasks = [TrainTask(c, 1, wl.lr, wl.batch, steps=wl.steps, seed=0) for c in range(clients)]
+    return wl, model, data, tasks
+
+
+def child(name: str, clients: int, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` rounds of `clients` clients trained one after another on one thread."""
+    torch.set_num_threads(1)
+    _, model, data, tasks = setup(name, clients)
+    w0 = get_flat(model).clone()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for t in tasks:
+            x, y = data[t.client]
+            local_train(model, w0, x, y, t)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def processes(name: str, half: int, repeats: int, k: int) -> list[float]:
+    """Client-steps/s of each of `k` processes started at once, each training `half` clients `repeats` times."""
+    steps = half * WORKLOADS[name].steps
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", name, str(half), str(repeats)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(k)]
+    out = []
+    for p in procs:
+        text, _ = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"worker_ceiling: a child process failed (exit {p.returncode})")
+        out.append(steps / statistics.median(json.loads(text)[1:]))
+    return out
+
+
+def engine(name: str, repeats: int) -> float:
+    """Client-steps/s of the generic engine, per-client mode, 2 workers, the whole round."""
+    from coordinator.sim.functional import GenericEngine
+    wl, model, data, tasks = setup(name, WORKLOADS[name].per_round)
+    w0 = get_flat(model).clone()
+    eng = GenericEngine(model, data, "cpu", workers=2, mode="per-client")
+    try:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            eng.run(w0, tasks)
+            times.append(time.perf_counter() - start)
+    finally:
+        eng.close()
+    return len(tasks) * wl.steps / statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", nargs=3, metavar=("NAME", "CLIENTS", "REPEATS"), help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=7, help="rounds per measurement, the first dropped (default 7)")
+    ap.add_argument("--sets", type=int, default=3, help="interleaved sets of the three measurements (median)")
+    ap.add_argument("--out", default=str(HERE / "results" / "worker_ceiling"))
+    args = ap.parse_args()
+    if args.child:
+        name, clients, repeats = args.child
+        print(json.dumps(child(name, int(clients), int(repeats))))
+        return
+    if args.repeats < 2 or args.sets < 1:
+        raise SystemExit("worker_ceiling: error: --repeats must be at least 2 and --sets at least 1")
+    load_before = os.getloadavg()[0]
+    rows = {}
+    for name in NAMES:
+        half = WORKLOADS[name].per_round // 2
+        got: dict[str, list[float]] = {"one": [], "two": [], "engine": []}
+        for s in range(args.sets):
+            for what in (("one", "two", "engine"), ("two", "engine", "one"), ("engine", "one", "two"))[s % 3]:
+                if what == "engine":
+                    got["engine"].append(engine(name, args.repeats))
+                else:
+                    got[what].append(sum(processes(name, half, args.repeats, 1 if what == "one" else 2)))
+            print(f"{name} set {s + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items()), flush=True)
+        med = {k: statistics.median(v) for k, v in got.items()}
+        rows[name] = {"half_clients": half, "steps": WORKLOADS[name].steps, "sets": got, "median": med,
+                      "two_over_one": med["two"] / med["one"], "engine_over_two": med["engine"] / med["two"]}
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    meta = {"cpu": f"{cpu_model()} ({isa})", "cpus": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["benchmarks/worker_ceiling.py", *sys.argv[1:]]), "repeats": args.repeats,
+            "load_avg_1min": [load_before, os.getloadavg()[0]]}
+    Path(args.out + ".json").write_text(json.dumps(meta | {"workloads": rows}, indent=1) + "\n")
+    md = ["# Two cores for per-client training: the ceiling and the engine (benchmarks/worker_ceiling.py)", "",
+          f"`.venv/bin/python {meta['command']}`", "",
+          f"CPU: {meta['cpu']}, {meta['cpus']} CPUs; torch {meta['torch']}, Python {meta['python']}; measured "
+          f"{meta['measured']}, 1-min load {load_before:.2f} before, {meta['load_avg_1min'][1]:.2f} after.", "",
+          f"Client-steps/s, median of {args.sets} interleaved sets; in each, a measurement's median round of "
+          f"{args.repeats - 1} (after one start-up round). `one process`: half the round's clients trained by one "
+          "process of one thread, alone; `two processes`: two such at once, summed; `engine`: the generic engine in "
+          "per-client mode, 2 worker processes, the whole round.", "",
+          "| workload | one process | two processes | engine | two ÷ one | engine ÷ two |",
+          "|---|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        m = r["median"]
+        md.append(f"| {name} ({r['half_clients']} clients a process, {r['steps']} steps) | {m['one']:.1f} | "
+                  f"{m['two']:.1f} | {m['engine']:.1f} | {r['two_over_one']:.2f} | {r['engine_over_two']:.2f} |")
+    Path(args.out + ".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
