@@ -14,8 +14,8 @@ weights and batch:
 Distance: the largest over the parameters of ‖g32 − g64‖ / ‖g64‖. A compiled gradient is `wrong` where it is not
 finite or farther from float64 than max(100 × eager's distance, 1e-3); a model whose compilation raised is
 `compile error` with the message's first line. Inductor chooses its vector code from ATen's CPU capability, so
-`--isa` runs the whole check again in a child process per ATEN_CPU_CAPABILITY value (the CPU's own, then the others
-this CPU runs), each with its own empty inductor cache. No dropout (the models are built without it, or with it
+the whole check runs in a child process per ATEN_CPU_CAPABILITY value (the CPU's own, then the others this CPU
+runs), each with its own empty inductor cache. No dropout (the models are built without it, or with it
 off): inductor draws its own random numbers, which is a different question.
 
     .venv/bin/python benchmarks/compile_check.py   # writes benchmarks/results/compile_check.{md,json}
@@ -45,11 +45,6 @@ BATCHES = (1, 2, 7, 10, 16, 32)
 FAR, FLOOR = 100.0, 1e-3
 
 
-class _NoDropout(nn.Identity):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__()
-
-
 def models() -> dict[str, tuple[nn.Module, tuple[int, int, int]]]:
     """The models checked and their input shapes: dropfl's registered models (no dropout) and the benchmark
     workloads' ResNet-8 (BatchNorm) and pfl's CNN."""
@@ -62,7 +57,7 @@ def models() -> dict[str, tuple[nn.Module, tuple[int, int, int]]]:
         out[name] = (build_model(name, shape, 10, seed=0, **({"dropout": 0.0} if name == "fdms-cnn" else {})),
                      shape)
     out["resnet8 (BatchNorm)"] = (workloads.build("resnet8-cifar"), (3, 32, 32))
-    out["pfl-cnn"] = (workloads.build("pfl-cifar10", dropout=_NoDropout), (3, 32, 32))
+    out["pfl-cnn"] = (workloads.build("pfl-cifar10", dropout=nn.Identity), (3, 32, 32))   # Identity ignores p
     return out
 
 
@@ -166,10 +161,8 @@ def main() -> None:
     import platform
 
     from machine import cpu_model
-    cpu = cpu_model()
-    flags = Path("/proc/cpuinfo").read_text()
-    isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    meta = {"cpu": f"{cpu} ({isa})", "torch": torch.__version__, "python": platform.python_version(),
+    meta = {"cpu": f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})", "torch": torch.__version__,
+            "python": platform.python_version(),
             "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "batches": list(BATCHES), "far": FAR, "floor": FLOOR}
     Path(args.out + ".json").write_text(json.dumps(meta | {"runs": runs}, indent=1) + "\n")

@@ -130,10 +130,8 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in got.items()}
         rows[name] = {"half_clients": half, "steps": WORKLOADS[name].steps, "sets": got, "median": med,
                       "two_over_one": med["two"] / med["one"], "engine_over_two": med["engine"] / med["two"]}
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    meta = {"cpu": f"{cpu_model()} ({isa})", "cpus": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(),
+    meta = {"cpu": f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})", "cpus": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
             "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["benchmarks/worker_ceiling.py", *sys.argv[1:]]), "repeats": args.repeats,
             "load_avg_1min": [load_before, os.getloadavg()[0]]}

@@ -4,6 +4,7 @@ not installed (or does not install) is one recorded line, not a traceback. Nothi
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from argparse import Namespace
@@ -88,7 +89,6 @@ def test_the_gpu_benchmark_without_a_gpu_is_one_line_and_its_record_is_its_own_r
         assert proc.returncode != 0 and list(tmp_path.iterdir()) == []
         assert proc.stderr.strip().splitlines()[-1] == \
             "gpu_throughput: error: torch sees no GPU here; run it on a machine with one"
-    import json
     record = json.loads((BENCH / "results" / "gpu_throughput.json").read_text())
     assert gpu.markdown(record) == (BENCH / "results" / "gpu_throughput.md").read_text()
     assert set(record["workloads"]) == set(workloads.WORKLOADS)
@@ -107,7 +107,6 @@ def test_the_results_name_a_cpu_by_its_model_and_a_vm_s_bare_line_by_its_family_
 def test_each_committed_benchmark_of_record_is_its_own_rendering(record):
     """The markdown is `workloads_markdown` of the JSON beside it, records from before the peak's two kernels
     included (their bound says it was the matmul alone)."""
-    import json
     o = json.loads((BENCH / "results" / f"{record}.json").read_text())
     md = (BENCH / "results" / f"{record}.md").read_text()
     assert sim_throughput.workloads_markdown(o).strip() == md.strip()
