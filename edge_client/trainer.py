@@ -117,9 +117,12 @@ def batch_plan(n: int, task: TrainTask, gen: torch.Generator) -> list[torch.Tens
 
 
 def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                task: TrainTask, buffers: dict[str, torch.Tensor] | None = None) -> LocalResult:
+                task: TrainTask, buffers: dict[str, torch.Tensor] | None = None,
+                out: torch.Tensor | None = None) -> LocalResult:
     """Plain SGD (no momentum, no weight decay), cross-entropy, from `w_global`. Reference path.
     `buffers`: the global buffers the client starts from (BatchNorm's running statistics; None: the model's own).
+    `out`: where to write the delta (a tensor of w_global's shape on its device, of the dtype w_global − weights
+    has; the result's `delta` is then `out`, with the same bits as a new tensor would have; None: a new tensor).
 
     The model and (x, y) may be on a GPU (the agent's `--device cuda`, edge_client/agent/device.py): the
     weights are copied in, batch orders and dropout masks still come from the CPU generator, and the delta
@@ -159,7 +162,10 @@ def local_train(model: nn.Module, w_global: torch.Tensor, x: torch.Tensor, y: to
     # on w_global's device (the CPU: a no-op there); the subtraction writes into get_flat's new vector (one pass
     # and one allocation less on a big model, the same bits)
     flat = get_flat(model).to(w_global.device)
-    delta = torch.sub(w_global, flat, out=flat) if flat.dtype == w_global.dtype else w_global - flat
+    if out is not None:   # the generic engine's worker: straight into the block its parent reads (functional.py)
+        delta = torch.sub(w_global, flat, out=out)
+    else:
+        delta = torch.sub(w_global, flat, out=flat) if flat.dtype == w_global.dtype else w_global - flat
     after = {n: b.to(w_global.device) for n, b in get_buffers(model).items()} or None
     return LocalResult(delta, len(y), len(plan), loss_sum / max(len(plan), 1), time.perf_counter() - start,
                        buffers=after)

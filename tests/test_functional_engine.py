@@ -367,6 +367,36 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("mode", ["per-client", "vmap"])
+def test_the_workers_deltas_come_back_through_blocks_the_engine_keeps(mode: str) -> None:
+    """With worker processes each slice's deltas are written into a shared-memory block the engine keeps from round to
+    round (`_DeltaBlocks`): over rounds of 3, then 7 (its blocks grow), then 2 tasks, every result is the in-process
+    engine's bit for bit, owns its delta (not a view of a block) and keeps it when later rounds overwrite the blocks."""
+    torch.manual_seed(0)
+    model, shape = (TinyResNet(width=16), (3, 32, 32)) if mode == "per-client" else make("resnet", torch.float32)
+    data = make_data([10, 12, 9, 16, 5, 8, 11], shape, torch.float32, seed=3)
+    w = get_flat(model)
+    rounds = [[TrainTask(client=c, round=r, lr=0.05, batch_size=4, steps=2, seed=1) for c in clients]
+              for r, clients in enumerate([(0, 1, 2), (6, 5, 4, 3, 2, 1, 0), (3, 4)])]
+    pooled = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=2, mode=mode)
+    here = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=0, mode=mode)
+    try:
+        kept, sizes = [], []
+        for tasks in rounds:
+            got = pooled.run(w, tasks)
+            kept.append((got, [r.delta.clone() for r in got], here.run(w, tasks)))
+            sizes.append({k: b.shape[0] for k, b in pooled.blocks.blocks.items()})
+        block_storages = {b.untyped_storage().data_ptr() for b in pooled.blocks.blocks.values()}
+    finally:
+        pooled.close()
+    assert sizes == [{0: 1, 1: 2}, {0: 3, 1: 4}, {0: 3, 1: 4}]   # grown once, then kept
+    for got, copies, ref in kept:
+        for r, c, x in zip(got, copies, ref):
+            assert torch.equal(r.delta, c) and torch.equal(r.delta, x.delta) and (r.loss, r.steps) == (x.loss, x.steps)
+            assert not r.delta.is_shared() and r.delta.untyped_storage().data_ptr() not in block_storages
+            assert r.delta.untyped_storage().nbytes() == r.delta.numel() * r.delta.element_size()
+
+
 def test_the_transport_records_per_client_mode() -> None:
     """SimTransport on a model above the rule's line: the generic engine in per-client mode, its name in the run's
     records, and the round's updates within float tolerance of the loop (2 threads there, 1 here)."""

@@ -34,8 +34,10 @@ each client its own mask: `randomness="different"`), so a model with it is not r
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 
 import torch
@@ -49,9 +51,7 @@ from coordinator.sim.batched import (
     PoolOwner,
     _die_with_parent,
     _keep_freed_memory,
-    _pack,
     _strip_generators,
-    _unpack,
     contiguous_slices,
     cpus,
 )
@@ -358,18 +358,20 @@ class FunctionalEngine:
 
     # -- a round ----------------------------------------------------------------------------------------------
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
-            buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
+            buffers: dict[str, torch.Tensor] | None = None, out: torch.Tensor | None = None) -> list[LocalResult]:
         """The tasks' results, in task order. `buffers`: the global buffers every client starts from (None: the
-        model's when the engine was built); each result carries its client's buffers after the round."""
+        model's when the engine was built); each result carries its client's buffers after the round. `out`: a
+        [len(tasks), P] tensor to write the deltas into, row i task i's (its result's `delta` is then that row);
+        None: each delta its own tensor."""
         saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return self._run(w_global, tasks, buffers)
+            return self._run(w_global, tasks, buffers, out)
         finally:
             torch.set_num_threads(saved)
 
     def _run(self, w_global: torch.Tensor, tasks: list[TrainTask],
-             start: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
+             start: dict[str, torch.Tensor] | None = None, rows_out: torch.Tensor | None = None) -> list[LocalResult]:
         t_start = time.perf_counter()
         gens = [client_generator(t.seed, t.round, t.client) for t in tasks]
         plans = [batch_table(self.sizes[t.client], t, g) for t, g in zip(tasks, gens)]   # (rows, sizes) each
@@ -418,7 +420,8 @@ class FunctionalEngine:
         seconds = time.perf_counter() - t_start
         out: list[LocalResult | None] = [None] * k_all
         for j, i in enumerate(order):
-            out[i] = LocalResult(deltas[j].clone(), self.sizes[tasks[j].client], n_steps[j],
+            delta = deltas[j].clone() if rows_out is None else rows_out[i].copy_(deltas[j])
+            out[i] = LocalResult(delta, self.sizes[tasks[j].client], n_steps[j],
                                  float(loss_sum[j]) / max(n_steps[j], 1), seconds,
                                  buffers={n: b[j].to(w_global.device, copy=True) for n, b in buffers.items()} or None)
         return out   # type: ignore[return-value]
@@ -519,22 +522,22 @@ class PerClientEngine:
         return mode.seen
 
     def run(self, w_global: torch.Tensor, tasks: list[TrainTask],
-            buffers: dict[str, torch.Tensor] | None = None) -> list[LocalResult]:
+            buffers: dict[str, torch.Tensor] | None = None, out: torch.Tensor | None = None) -> list[LocalResult]:
         """The tasks' results, in task order; each client from `buffers` (None: the model's when the engine was
-        built), as `FunctionalEngine.run`."""
+        built), `out` as `FunctionalEngine.run`'s (here `local_train` writes each delta into its row)."""
         saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         start = self.buffers0 if buffers is None else buffers
         try:
             with _LargePooling() if self.large_pools else contextlib.nullcontext():
-                out = []
-                for t in tasks:
+                results = []
+                for i, t in enumerate(tasks):
                     lo, n = self.offsets[t.client], self.sizes[t.client]
-                    out.append(local_train(self.model, w_global, self.x_all[lo:lo + n], self.y_all[lo:lo + n], t,
-                                           buffers=start or None))
+                    results.append(local_train(self.model, w_global, self.x_all[lo:lo + n], self.y_all[lo:lo + n],
+                                               t, buffers=start or None, out=None if out is None else out[i]))
         finally:
             torch.set_num_threads(saved)
-        return out
+        return results
 
     def describe(self) -> str:
         return "batched (per client)"
@@ -627,12 +630,41 @@ def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, siz
     _WORKER = MODES[mode](model, None, "cpu", threads=1, packed=(x_all, y_all, sizes))
 
 
-def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask],
-                     buffers: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor | None, list[LocalResult]]:
-    """A slice's results, their deltas packed into one tensor for the trip back (batched.py `_pack`: one
-    shared-memory handover instead of one per tensor)."""
+_BLOCKS: dict[int, torch.Tensor] = {}   # a worker's hold on the parent's delta blocks, by slice (see `_DeltaBlocks`)
+
+
+def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], buffers: dict[str, torch.Tensor] | None,
+                     block: tuple[int, torch.Tensor]) -> list[LocalResult]:
+    """A slice's results, without their deltas: `block` is (the slice's number, the parent's shared-memory block
+    for its deltas, `_DeltaBlocks`), and each delta is written into its row there."""
     assert _WORKER is not None, "worker not initialised"
-    return _pack(_WORKER.run(w_global, tasks, buffers))
+    number, rows = block
+    # held until the parent sends another block for this slice: torch then finds the mapping in its cache
+    # (multiprocessing/reductions.py, by the shared file's inode) instead of mapping and faulting the pages again
+    _BLOCKS[number] = rows
+    results = _WORKER.run(w_global, tasks, buffers, out=rows[:len(tasks)])
+    for r in results:
+        r.delta = None   # type: ignore[assignment]  # in the parent's block
+    return results
+
+
+class _DeltaBlocks:
+    """The generic engine's return path for its workers' deltas: one [rows, P] block in shared memory per slice,
+    made here once and kept (grown when a slice has more tasks than its block has rows), into which the slice's
+    worker writes each client's delta (`local_train(out=)`); here each delta is then copied out into its own tensor
+    (a result must not hold the block, which the next round overwrites). Against packing them in the worker
+    (`_pack`: a stack, then torch copies the stack into a fresh shared-memory file whose every page faults, in the
+    worker and again here) the deltas cross once. Held for the engine's life: one round's deltas, in /dev/shm."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, torch.Tensor] = {}
+
+    def get(self, number: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        b = self.blocks.get(number)
+        if b is None or b.shape[0] < rows or b.shape[1] != width or b.dtype != dtype:
+            grown = rows if b is None or b.shape[1] != width or b.dtype != dtype else max(rows, b.shape[0] * 5 // 4)
+            b = self.blocks[number] = torch.empty(grown, width, dtype=dtype).share_memory_()
+        return b
 
 
 class GenericEngine(PoolOwner):
@@ -644,7 +676,8 @@ class GenericEngine(PoolOwner):
     not depend on the number of workers: with one CPU, or a model that does not pickle (a class defined inside a
     function), the slices run one after the other in this process, with the same bits (said once as a warning).
     On CUDA one slice, in this process, vmap. Raises TypeError where the mode is vmap and torch.func cannot run the
-    model (the probe of `FunctionalEngine`, in this process, before any worker starts)."""
+    model (the probe of `FunctionalEngine`, in this process, before any worker starts). The workers write their
+    deltas into shared-memory blocks this engine keeps (`_DeltaBlocks`)."""
 
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  device: str | None = "auto", workers: int | None = None, mode: str | None = None):
@@ -676,6 +709,8 @@ class GenericEngine(PoolOwner):
                             self.groups, self.in_process_reason)
                 workers = 0
         self.workers = workers
+        self.blocks, self.blocks_lock = _DeltaBlocks(), threading.Lock()
+        self.param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
         if workers > 0:
             self.start_pool(workers, _init_worker, (shipped, self.local.x_all.share_memory_(),
                                                     self.local.y_all.share_memory_(), self.local.sizes, mode))
@@ -690,8 +725,22 @@ class GenericEngine(PoolOwner):
         parts = self.slices(tasks)
         if self.pool is None:
             return [r for p in parts for r in self.local.run(w_global, p, buffers)]
-        futures = [self.pool.submit(_train_in_worker, w_global, p, buffers) for p in parts]
-        return [r for f in futures for r in _unpack(f.result())]
+        # the dtype the deltas have: local_train's w_global − weights; vmap's are w_global's
+        dtype = w_global.dtype if self.mode == "vmap" else torch.promote_types(w_global.dtype, self.param_dtype)
+        width = w_global.numel()
+        with self.blocks_lock:   # a block is one slice's of one round at a time
+            blocks = [self.blocks.get(k, len(p), width, dtype) for k, p in enumerate(parts)]
+            futures = [self.pool.submit(_train_in_worker, w_global, p, buffers, (k, b))
+                       for k, (p, b) in enumerate(zip(parts, blocks))]
+            # every slice finished (or failed) before any block is read or handed out again
+            concurrent.futures.wait(futures)
+            out = []
+            for f, b in zip(futures, blocks):
+                results = f.result()
+                for i, r in enumerate(results):
+                    r.delta = b[i].clone()
+                out.extend(results)
+            return out
 
     def describe(self) -> str:
         return self.local.describe()
@@ -699,6 +748,8 @@ class GenericEngine(PoolOwner):
     def close(self) -> None:
         """The worker processes, and the in-process engine's threads (on a GPU: its mask drawers)."""
         super().close()
+        if getattr(self, "blocks", None) is not None:
+            self.blocks.blocks.clear()
         local = getattr(self, "local", None)   # (None where __init__ failed before it; __del__ calls close)
         if local is not None:
             local.close()
