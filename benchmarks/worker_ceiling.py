@@ -9,12 +9,14 @@ dropped as start-up, the median kept):
 - `one process`: a process training half the round's clients (each client's `local_train` on one thread), alone;
 - `two processes`: two such processes at once, each half the clients; their rates summed (the ceiling);
 - `engine`: `GenericEngine` in per-client mode, 2 worker processes, the whole round (`run`: the clients' results
-  back in this process, each delta its own tensor).
+  back in the calling process, each delta its own tensor), in a process of its own;
+- `engine before` (with `--before DIR`): the same, with the code of the dropfl checkout in DIR (`git worktree add
+  DIR <commit>`): a change to the engine against the code before it, side by side.
 
-`engine ÷ two processes` is what the engine's own work costs (handing the round out, packing the deltas into shared
-memory, unpacking them here); `two ÷ one` is what the second core gives.
+`engine ÷ two processes` is what the engine's own work costs (handing the round out, the deltas' way back into the
+calling process); `two ÷ one` is what the second core gives.
 
-    .venv/bin/python benchmarks/worker_ceiling.py   # writes benchmarks/results/worker_ceiling.{md,json}
+    .venv/bin/python benchmarks/worker_ceiling.py [--before DIR]   # writes benchmarks/results/worker_ceiling.{md,json}
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ sys.path.insert(0, str(HERE))
 from machine import cpu_model  # noqa: E402
 from workloads import WORKLOADS, build  # noqa: E402
 
-from edge_client.models import SeededDropout, get_flat  # noqa: E402
-from edge_client.trainer import TrainTask, local_train  # noqa: E402
+# dropfl's own modules are imported where they are used: `--engine-child` first puts the checkout it measures on the
+# path (this one, or --before's)
 
 NAMES = ("resnet8-cifar", "pfl-cifar10")
 
 
 def setup(name: str, clients: int):
     """The workload's model (dropfl's: SeededDropout), `clients` clients' synthetic data and their tasks."""
+    from edge_client.models import SeededDropout
+    from edge_client.trainer import TrainTask
     wl = WORKLOADS[name]
     model = build(name, dropout=SeededDropout, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -58,6 +62,8 @@ def setup(name: str, clients: int):
 
 def child(name: str, clients: int, repeats: int) -> list[float]:
     """Seconds of each of `repeats` rounds of `clients` clients trained one after another on one thread."""
+    from edge_client.models import get_flat
+    from edge_client.trainer import local_train
     torch.set_num_threads(1)
     _, model, data, tasks = setup(name, clients)
     w0 = get_flat(model).clone()
@@ -86,8 +92,10 @@ def processes(name: str, half: int, repeats: int, k: int) -> list[float]:
 
 
 def engine(name: str, repeats: int) -> float:
-    """Client-steps/s of the generic engine, per-client mode, 2 workers, the whole round."""
+    """Client-steps/s of the generic engine, per-client mode, 2 workers, the whole round (in this process: the
+    `--engine-child` process of `engine_rate`)."""
     from coordinator.sim.functional import GenericEngine
+    from edge_client.models import get_flat
     wl, model, data, tasks = setup(name, WORKLOADS[name].per_round)
     w0 = get_flat(model).clone()
     eng = GenericEngine(model, data, "cpu", workers=2, mode="per-client")
@@ -102,38 +110,74 @@ def engine(name: str, repeats: int) -> float:
     return len(tasks) * wl.steps / statistics.median(times[1:])
 
 
+def _commit(code: Path) -> str:
+    """The checkout's commit, "+" where its working tree differs from it ("?" outside git)."""
+    def git(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(code), *a], capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return "?"
+    return head.stdout.strip() + ("+" if git("status", "--porcelain", "--untracked-files=no").stdout.strip() else "")
+
+
+def engine_rate(code: Path, name: str, repeats: int) -> float:
+    """`engine` in a child process that imports the dropfl checkout at `code`."""
+    p = subprocess.run([sys.executable, __file__, "--engine-child", str(code), name, str(repeats)],
+                       stdout=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"worker_ceiling: the engine's process for {code} failed (exit {p.returncode})")
+    return float(p.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", nargs=3, metavar=("NAME", "CLIENTS", "REPEATS"), help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=7, help="rounds per measurement, the first dropped (default 7)")
     ap.add_argument("--sets", type=int, default=3, help="interleaved sets of the three measurements (median)")
+    ap.add_argument("--engine-child", nargs=3, metavar=("CODE", "NAME", "REPEATS"), help=argparse.SUPPRESS)
+    ap.add_argument("--before", metavar="DIR", help="also measure the engine of the dropfl checkout in DIR (e.g. "
+                                                    "`git worktree add DIR HEAD` before a change), interleaved")
     ap.add_argument("--out", default=str(HERE / "results" / "worker_ceiling"))
     args = ap.parse_args()
     if args.child:
         name, clients, repeats = args.child
         print(json.dumps(child(name, int(clients), int(repeats))))
         return
+    if args.engine_child:
+        code, name, repeats = args.engine_child
+        sys.path.insert(0, code)
+        print(engine(name, int(repeats)))
+        return
     if args.repeats < 2 or args.sets < 1:
         raise SystemExit("worker_ceiling: error: --repeats must be at least 2 and --sets at least 1")
+    before = Path(args.before).resolve() if args.before else None
+    if before is not None and not (before / "coordinator" / "sim" / "functional.py").is_file():
+        raise SystemExit(f"worker_ceiling: error: --before {args.before}: no dropfl checkout with the generic engine "
+                         "there (coordinator/sim/functional.py missing); make one with `git worktree add DIR <commit>`")
     load_before = os.getloadavg()[0]
     rows = {}
     for name in NAMES:
         half = WORKLOADS[name].per_round // 2
-        got: dict[str, list[float]] = {"one": [], "two": [], "engine": []}
+        kinds = ["one", "two", "engine"] + (["before"] if before else [])
+        got: dict[str, list[float]] = {k: [] for k in kinds}
         for s in range(args.sets):
-            for what in (("one", "two", "engine"), ("two", "engine", "one"), ("engine", "one", "two"))[s % 3]:
-                if what == "engine":
-                    got["engine"].append(engine(name, args.repeats))
+            for what in kinds[s % len(kinds):] + kinds[:s % len(kinds)]:   # each set in another order
+                if what in ("engine", "before"):
+                    got[what].append(engine_rate(HERE.parent if what == "engine" else before, name, args.repeats))
                 else:
                     got[what].append(sum(processes(name, half, args.repeats, 1 if what == "one" else 2)))
             print(f"{name} set {s + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in got.items()), flush=True)
         med = {k: statistics.median(v) for k, v in got.items()}
         rows[name] = {"half_clients": half, "steps": WORKLOADS[name].steps, "sets": got, "median": med,
                       "two_over_one": med["two"] / med["one"], "engine_over_two": med["engine"] / med["two"]}
+        if before:
+            rows[name]["engine_over_before"] = med["engine"] / med["before"]
     meta = {"cpu": f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})", "cpus": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
             "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["benchmarks/worker_ceiling.py", *sys.argv[1:]]), "repeats": args.repeats,
+            "before": None if before is None else {"dir": str(before), "commit": _commit(before)},
+            "commit": _commit(HERE.parent),
             "load_avg_1min": [load_before, os.getloadavg()[0]]}
     Path(args.out + ".json").write_text(json.dumps(meta | {"workloads": rows}, indent=1) + "\n")
     md = ["# Two cores for per-client training: the ceiling and the engine (benchmarks/worker_ceiling.py)", "",
@@ -143,13 +187,18 @@ def main() -> None:
           f"Client-steps/s, median of {args.sets} interleaved sets; in each, a measurement's median round of "
           f"{args.repeats - 1} (after one start-up round). `one process`: half the round's clients trained by one "
           "process of one thread, alone; `two processes`: two such at once, summed; `engine`: the generic engine in "
-          "per-client mode, 2 worker processes, the whole round.", "",
-          "| workload | one process | two processes | engine | two ÷ one | engine ÷ two |",
-          "|---|---:|---:|---:|---:|---:|"]
+          "per-client mode, 2 worker processes, the whole round, in a process of its own" + (
+              f" (this checkout, {meta['commit']}); `engine before`: the same with the code of "
+              f"{meta['before']['commit']}" if before else "") + ".", "",
+          "| workload | one process | two processes | engine |" + (" engine before |" if before else "") +
+          " two ÷ one | engine ÷ two |" + (" engine ÷ before |" if before else ""),
+          "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if before else "")]
     for name, r in rows.items():
         m = r["median"]
         md.append(f"| {name} ({r['half_clients']} clients a process, {r['steps']} steps) | {m['one']:.1f} | "
-                  f"{m['two']:.1f} | {m['engine']:.1f} | {r['two_over_one']:.2f} | {r['engine_over_two']:.2f} |")
+                  f"{m['two']:.1f} | {m['engine']:.1f} |" + (f" {m['before']:.1f} |" if before else "") +
+                  f" {r['two_over_one']:.2f} | {r['engine_over_two']:.2f} |" +
+                  (f" {r['engine_over_before']:.2f} |" if before else ""))
     Path(args.out + ".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
