@@ -35,14 +35,16 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+# the dropfl checkout whose code runs: this one, or the one `--engine-child CODE` measures (read from argv here, not
+# in main: the engine's spawned workers run this module's top again, with the same argv, before they import dropfl)
+CODE = sys.argv[sys.argv.index("--engine-child") + 1] if "--engine-child" in sys.argv[:-1] else str(HERE.parent)
+sys.path.insert(0, CODE)
 sys.path.insert(0, str(HERE))
 
 from machine import cpu_model  # noqa: E402
 from workloads import WORKLOADS, build  # noqa: E402
 
-# dropfl's own modules are imported where they are used: `--engine-child` first puts the checkout it measures on the
-# path (this one, or --before's)
+# dropfl's own modules are imported where they are used (from CODE)
 
 NAMES = ("resnet8-cifar", "pfl-cifar10")
 
@@ -94,6 +96,8 @@ def processes(name: str, half: int, repeats: int, k: int) -> list[float]:
 def engine(name: str, repeats: int) -> float:
     """Client-steps/s of the generic engine, per-client mode, 2 workers, the whole round (in this process: the
     `--engine-child` process of `engine_rate`)."""
+    import coordinator
+    assert Path(coordinator.__file__).resolve().is_relative_to(Path(CODE).resolve()), coordinator.__file__
     from coordinator.sim.functional import GenericEngine
     from edge_client.models import get_flat
     wl, model, data, tasks = setup(name, WORKLOADS[name].per_round)
@@ -144,8 +148,7 @@ def main() -> None:
         print(json.dumps(child(name, int(clients), int(repeats))))
         return
     if args.engine_child:
-        code, name, repeats = args.engine_child
-        sys.path.insert(0, code)
+        _, name, repeats = args.engine_child   # its checkout is on the path already (CODE)
         print(engine(name, int(repeats)))
         return
     if args.repeats < 2 or args.sets < 1:
