@@ -370,8 +370,9 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
 @pytest.mark.parametrize("mode", ["per-client", "vmap"])
 def test_the_workers_deltas_come_back_through_blocks_the_engine_keeps(mode: str) -> None:
     """With worker processes each slice's deltas are written into a shared-memory block the engine keeps from round to
-    round (`_DeltaBlocks`): over rounds of 3, then 7 (its blocks grow), then 2 tasks, every result is the in-process
-    engine's bit for bit, owns its delta (not a view of a block) and keeps it when later rounds overwrite the blocks."""
+    round (`_DeltaBlocks`): after a failed round, over rounds of 3, then 7 (its blocks grow), then 2 tasks, every
+    result is the in-process engine's bit for bit, owns its delta (not a view of a block) and keeps it when later
+    rounds overwrite the blocks."""
     torch.manual_seed(0)
     model, shape = (TinyResNet(width=16), (3, 32, 32)) if mode == "per-client" else make("resnet", torch.float32)
     data = make_data([10, 12, 9, 16, 5, 8, 11], shape, torch.float32, seed=3)
@@ -381,6 +382,11 @@ def test_the_workers_deltas_come_back_through_blocks_the_engine_keeps(mode: str)
     pooled = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=2, mode=mode)
     here = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=0, mode=mode)
     try:
+        # a slice that fails (batch size 0) fails the round; the other slice's worker is waited for, and the next
+        # rounds through the same blocks are right
+        broken = [TrainTask(client=0, round=9, lr=0.05, batch_size=0, steps=2), rounds[0][1]]
+        with pytest.raises(ZeroDivisionError):
+            pooled.run(w, broken)
         kept, sizes = [], []
         for tasks in rounds:
             got = pooled.run(w, tasks)
@@ -389,7 +395,7 @@ def test_the_workers_deltas_come_back_through_blocks_the_engine_keeps(mode: str)
         block_storages = {b.untyped_storage().data_ptr() for b in pooled.blocks.blocks.values()}
     finally:
         pooled.close()
-    assert sizes == [{0: 1, 1: 2}, {0: 3, 1: 4}, {0: 3, 1: 4}]   # grown once, then kept
+    assert sizes == [{0: 1, 1: 2}, {0: 3, 1: 4}, {0: 3, 1: 4}]   # grown once (from the failed round's 1 and 1), kept
     for got, copies, ref in kept:
         for r, c, x in zip(got, copies, ref):
             assert torch.equal(r.delta, c) and torch.equal(r.delta, x.delta) and (r.loss, r.steps) == (x.loss, x.steps)
