@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = r'''
@@ -36,3 +37,127 @@ def test_workers_die_with_a_killed_parent():
     for w in alive:
         w.kill()
     assert alive == []
+
+
+# --- no room in shared memory (a container's /dev/shm is 64 MB unless it is given more) -----------------------------
+
+SHM_ERROR = "unable to allocate shared memory(shm) for file </torch_1_2_0>: No space left on device (28)"
+
+
+def _no_shm(monkeypatch) -> None:
+    """torch.Tensor.share_memory_ fails as torch's does on a full /dev/shm."""
+    import torch
+
+    def refuse(self):
+        raise RuntimeError(SHM_ERROR)
+    monkeypatch.setattr(torch.Tensor, "share_memory_", refuse)
+
+
+def test_without_room_for_the_data_the_engines_train_in_this_process(monkeypatch, caplog):
+    """Where the training data does not fit in shared memory, both batched engines run their slices in this process
+    (said once, with the room there is and what to do; `in_process` in their details) and give the results their
+    worker processes give."""
+    import torch
+
+    from coordinator.sim.batched import BatchedEngine
+    from coordinator.sim.functional import GenericEngine
+    from edge_client.models import build_model, get_flat
+    from edge_client.trainer import TrainTask
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(24, 1, 28, 28, generator=g), torch.randint(0, 10, (24,), generator=g)) for _ in range(4)]
+    tasks = [TrainTask(c, 0, 0.05, 8, steps=3, seed=1) for c in (2, 0, 3, 1)]
+    for make in (lambda m: BatchedEngine(m, data, workers=2, device="cpu"),
+                 lambda m: GenericEngine(m, data, "cpu", workers=2, mode="per-client")):
+        model = build_model("mimic-cnn", (1, 28, 28), seed=0)
+        w = get_flat(model)
+        pooled = make(model)
+        try:
+            ref = pooled.run(w, tasks)
+        finally:
+            pooled.close()
+        with monkeypatch.context() as mp:
+            _no_shm(mp)
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="dropfl.sim"):
+                here = make(model)
+        got = here.run(w, tasks)
+        here.close()
+        why = here.details()["in_process"]
+        assert here.details()["workers"] == 0 and why.startswith("shared memory cannot hold the ")
+        assert "MB of training data (/dev/shm: " in why and SHM_ERROR in why and "--shm-size" in why
+        assert [r.message for r in caplog.records if why in r.message] and len(caplog.records) == 1
+        assert all(torch.equal(a.delta, b.delta) and a.loss == b.loss for a, b in zip(got, ref))
+
+
+def test_a_round_whose_deltas_find_no_room_trains_in_this_process(monkeypatch, caplog):
+    """The generic engine's delta blocks (made at the first round, grown later) may find /dev/shm full: that round's
+    slices run in this process with the same results, said once however many rounds it happens to."""
+    import torch
+
+    from coordinator.sim import functional
+    from coordinator.sim.functional import GenericEngine
+    from edge_client.models import build_model, get_flat
+    from edge_client.trainer import TrainTask
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.rand(24, 1, 28, 28, generator=g), torch.randint(0, 10, (24,), generator=g)) for _ in range(4)]
+    model = build_model("mimic-cnn", (1, 28, 28), seed=0)
+    w = get_flat(model)
+    engine = GenericEngine(model, data, "cpu", workers=2, mode="per-client")
+    try:
+        assert engine.workers == 2
+        ref = engine.run(w, [TrainTask(c, 0, 0.05, 8, steps=2, seed=3) for c in range(4)])
+
+        def full(self, *a):
+            raise RuntimeError(SHM_ERROR)
+        monkeypatch.setattr(functional._DeltaBlocks, "get", full)
+        with caplog.at_level("WARNING", logger="dropfl.sim"):
+            rounds = [engine.run(w, [TrainTask(c, 0, 0.05, 8, steps=2, seed=3) for c in range(4)]) for _ in range(2)]
+    finally:
+        engine.close()
+    warned = [r.message for r in caplog.records]
+    assert len(warned) == 1 and "where its deltas do not fit in shared memory" in warned[0]
+    assert "MB of a round's deltas" in warned[0] and "--shm-size" in warned[0]
+    for got in rounds:
+        assert all(torch.equal(a.delta, b.delta) and a.loss == b.loss for a, b in zip(got, ref))
+
+
+def _unshare_usable() -> str | None:
+    import os
+    import shutil
+    if os.geteuid() != 0:
+        return "needs root (a private mount namespace with a small /dev/shm)"
+    if shutil.which("unshare") is None:
+        return "needs util-linux's unshare"
+    return None
+
+
+@pytest.mark.root
+@pytest.mark.skipif(_unshare_usable() is not None, reason=str(_unshare_usable()))
+def test_a_run_with_an_8_mb_dev_shm_completes_with_the_same_model(tmp_path):
+    """`dropfl sim` where /dev/shm is an 8 MB tmpfs (a private mount namespace; a container's default is 64 MB) and
+    FMNIST's 189 MB cannot be shared: the run completes, says once why its engine trains in one process and what to
+    do, and its model and metrics are those of the same run with room (the slices are the same)."""
+    import json
+
+    import torch
+    args = [sys.executable, "-m", "coordinator.cli", "sim", "--dataset", "fmnist", "--model", "mlp", "--clients", "6",
+            "--rounds", "2", "--steps", "2", "--threads", "1"]
+    roomy = subprocess.run(args + ["--out", str(tmp_path / "roomy")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+    assert roomy.returncode == 0, roomy.stderr
+    small = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"', "sh",
+                            *args, "--out", str(tmp_path / "small")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+    assert small.returncode == 0, small.stderr
+    said = [line for line in (small.stdout + small.stderr).splitlines() if "shared memory cannot hold" in line]
+    assert len(said) == 1 and "/dev/shm: 8 MB free of 8 MB" in said[0] and "--shm-size" in said[0], said
+    assert "shared memory" not in roomy.stdout + roomy.stderr
+    a, b = (torch.load(tmp_path / d / "model.pt") for d in ("roomy", "small"))   # state dicts
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def metrics(d):   # every field but the wall times
+        rows = [json.loads(r) for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in ("seconds", "elapsed")} for r in rows]
+    assert len(metrics("roomy")) == 2 and metrics("roomy") == metrics("small")

@@ -32,7 +32,9 @@ which process or how many processes trained it, so the same seed gives the same 
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +51,8 @@ from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
 from edge_client.models import MODELS, VGG11, CifarLeNet, FdmsMnistCNN, LogReg, MimicCNN, SeededDropout
 from edge_client.trainer import LocalResult, TrainTask, batch_table, client_generator
+
+log = logging.getLogger("dropfl.sim")
 
 
 @dataclass
@@ -858,6 +862,38 @@ def _unpack(packed: tuple[torch.Tensor | None, list[LocalResult]]) -> list[Local
     return results
 
 
+def shm_error(e: BaseException) -> bool:
+    """Whether `e` is torch failing to allocate shared memory (a full or small /dev/shm: a container's default is
+    64 MB; torch allocates the whole file when it creates it, so this is raised there, not met later)."""
+    return isinstance(e, RuntimeError) and ("shared memory" in str(e) or "No space left on device" in str(e))
+
+
+def shm_room(nbytes: int, what: str, e: BaseException) -> str:
+    """Why `nbytes` of `what` did not go into shared memory, and what to do, in one line."""
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+        have = f"/dev/shm: {usage.free / 1e6:,.0f} MB free of {usage.total / 1e6:,.0f} MB"
+    except OSError:
+        have = "no /dev/shm"
+    return (f"shared memory cannot hold the {nbytes / 1e6:,.0f} MB of {what} ({have}; torch: {e}); give /dev/shm "
+            "more room (in a container: `docker run --shm-size=4g`) to train on every core")
+
+
+def share_for_workers(tensors: list[torch.Tensor | None], what: str) -> str | None:
+    """Put `tensors` (what an engine's worker processes read) in shared memory. None when done; else why not
+    (`shm_room`), and then the engine runs its slices in this process instead, with the same bits."""
+    need = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    try:
+        for t in tensors:
+            if t is not None:
+                t.share_memory_()
+    except RuntimeError as e:
+        if not shm_error(e):
+            raise
+        return shm_room(need, what, e)
+    return None
+
+
 class PoolOwner:
     """What both batched engines share: `self.pool`, the worker processes (None: the slices run in this process),
     started by `start_pool` and stopped by `close` (or when the engine is collected). A class attribute
@@ -924,14 +960,19 @@ class BatchedEngine(PoolOwner):
         groups = slices_for(groups, model, self.native, x_all.dtype, self.device)   # 0: auto
         if workers is None:
             workers = 0 if device != "cpu" else min(groups, cpus())
+        self.in_process_reason = None
+        x_split = split_for(model, x_all, self.native) if workers > 0 else None   # the first layer's split images
+        if workers > 0:   # the data (and the split images), shared once with every worker
+            self.in_process_reason = share_for_workers([x_all, y_all, x_split], "training data")
+            if self.in_process_reason:
+                log.warning("the batched engine runs its %d slices in this process, one after the other (the same "
+                            "results): %s", max(1, groups), self.in_process_reason)
+                workers = 0
         self.groups, self.workers = max(1, groups), workers
-        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant) if workers == 0 else None
+        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant, x_split=x_split) \
+            if workers == 0 else None
         if workers > 0:
-            # the first-layer kernel's split images, made here once and shared like the data
-            x_split = split_for(model, x_all, self.native)
-            self.start_pool(workers, _init_worker, (model, x_all.share_memory_(), y_all.share_memory_(), offsets,
-                                                    sizes, threads, variant,
-                                                    None if x_split is None else x_split.share_memory_()))
+            self.start_pool(workers, _init_worker, (model, x_all, y_all, offsets, sizes, threads, variant, x_split))
 
     def describe(self) -> str:
         """What trains the tasks, as recorded in metrics.jsonl's `engine`: "batched+native(<variant>)"
@@ -946,6 +987,8 @@ class BatchedEngine(PoolOwner):
                "native": self.native is not None, "kernel": self.native}
         if self.fits and not self.native:   # a LeNet on the CPU without its fused layers: why
             out["native_off"] = "native=False" if self.requested is None else kernels.error(self.requested) or "?"
+        if self.in_process_reason:
+            out["in_process"] = self.in_process_reason
         return out
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:

@@ -54,6 +54,9 @@ from coordinator.sim.batched import (
     _strip_generators,
     contiguous_slices,
     cpus,
+    share_for_workers,
+    shm_error,
+    shm_room,
 )
 from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
@@ -708,12 +711,19 @@ class GenericEngine(PoolOwner):
                 log.warning("the generic engine runs its %d slices in this process, one after the other: %s",
                             self.groups, self.in_process_reason)
                 workers = 0
+        if workers > 0:   # the data, shared once with every worker
+            self.in_process_reason = share_for_workers([self.local.x_all, self.local.y_all], "training data")
+            if self.in_process_reason:
+                log.warning("the generic engine runs its %d slices in this process, one after the other (the same "
+                            "results): %s", self.groups, self.in_process_reason)
+                workers = 0
         self.workers = workers
         self.blocks, self.blocks_lock = _DeltaBlocks(), threading.Lock()
         self.param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        self.blocks_failed: str | None = None   # why a round's deltas first found no room in shared memory
         if workers > 0:
-            self.start_pool(workers, _init_worker, (shipped, self.local.x_all.share_memory_(),
-                                                    self.local.y_all.share_memory_(), self.local.sizes, mode))
+            self.start_pool(workers, _init_worker, (shipped, self.local.x_all, self.local.y_all, self.local.sizes,
+                                                    mode))
 
     def slices(self, tasks: list[TrainTask]) -> list[list[TrainTask]]:
         """`groups` contiguous slices of the task list (`BatchedEngine.slices`' rule)."""
@@ -729,7 +739,19 @@ class GenericEngine(PoolOwner):
         dtype = w_global.dtype if self.mode == "vmap" else torch.promote_types(w_global.dtype, self.param_dtype)
         width = w_global.numel()
         with self.blocks_lock:   # a block is one slice's of one round at a time
-            blocks = [self.blocks.get(k, len(p), width, dtype) for k, p in enumerate(parts)]
+            try:
+                blocks = [self.blocks.get(k, len(p), width, dtype) for k, p in enumerate(parts)]
+            except RuntimeError as e:
+                if not shm_error(e):
+                    raise
+                # this round's slices in this process (the same bits); the workers wait for a round that fits
+                need = sum(len(p) for p in parts) * width * torch.empty(0, dtype=dtype).element_size()
+                if self.blocks_failed is None:   # said once
+                    self.blocks_failed = shm_room(need, "a round's deltas", e)
+                    log.warning("the generic engine trains a round's slices in this process, one after the other, "
+                                "where its deltas do not fit in shared memory (the same results): %s",
+                                self.blocks_failed)
+                return [r for p in parts for r in self.local.run(w_global, p, buffers)]
             futures = [self.pool.submit(_train_in_worker, w_global, p, buffers, (k, b))
                        for k, (p, b) in enumerate(zip(parts, blocks))]
             # every slice finished (or failed) before any block is read or handed out again
