@@ -879,27 +879,31 @@ def shm_room(nbytes: int, what: str, e: BaseException) -> str:
             "more room (in a container: `docker run --shm-size=4g`) to train on every core")
 
 
-def share_for_workers(tensors: list[torch.Tensor | None], what: str) -> str | None:
-    """Put `tensors` (what an engine's worker processes read) in shared memory. None when done; else why not
-    (`shm_room`), and then the engine runs its slices in this process instead, with the same bits."""
-    need = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    try:
-        for t in tensors:
-            if t is not None:
-                t.share_memory_()
-    except RuntimeError as e:
-        if not shm_error(e):
-            raise
-        return shm_room(need, what, e)
-    return None
-
-
 class PoolOwner:
     """What both batched engines share: `self.pool`, the worker processes (None: the slices run in this process),
-    started by `start_pool` and stopped by `close` (or when the engine is collected). A class attribute
+    started by `start_pool` and stopped by `close` (or when the engine is collected), and `in_process_reason`, why
+    an engine that could have had workers runs its slices in this process (None: it does not). Class attributes
     first: `close` works on an engine whose __init__ raised before its pool started."""
 
     pool: ProcessPoolExecutor | None = None
+    in_process_reason: str | None = None
+
+    def share_data(self, tensors: list[torch.Tensor | None], engine: str, slices: int) -> bool:
+        """Put `tensors` (the data the workers read) in shared memory; False where it cannot hold them: then
+        `in_process_reason` says why and what to do (`shm_room`, warned once), and the engine runs its `slices`
+        in this process instead, with the same bits."""
+        try:
+            for t in tensors:
+                if t is not None:
+                    t.share_memory_()
+        except RuntimeError as e:
+            if not shm_error(e):
+                raise
+            self.in_process_reason = shm_room(sum(t.nbytes for t in tensors if t is not None), "training data", e)
+            log.warning("the %s runs its %d slices in this process, one after the other (the same results): %s",
+                        engine, slices, self.in_process_reason)
+            return False
+        return True
 
     def start_pool(self, workers: int, initializer, initargs: tuple) -> None:
         """`workers` spawned processes (spawn: torch's threads and a CUDA context do not survive a fork), each
@@ -960,14 +964,10 @@ class BatchedEngine(PoolOwner):
         groups = slices_for(groups, model, self.native, x_all.dtype, self.device)   # 0: auto
         if workers is None:
             workers = 0 if device != "cpu" else min(groups, cpus())
-        self.in_process_reason = None
         x_split = split_for(model, x_all, self.native) if workers > 0 else None   # the first layer's split images
-        if workers > 0:   # the data (and the split images), shared once with every worker
-            self.in_process_reason = share_for_workers([x_all, y_all, x_split], "training data")
-            if self.in_process_reason:
-                log.warning("the batched engine runs its %d slices in this process, one after the other (the same "
-                            "results): %s", max(1, groups), self.in_process_reason)
-                workers = 0
+        # the data (and the split images), shared once with every worker
+        if workers > 0 and not self.share_data([x_all, y_all, x_split], "batched engine", max(1, groups)):
+            workers = 0
         self.groups, self.workers = max(1, groups), workers
         self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant, x_split=x_split) \
             if workers == 0 else None

@@ -54,7 +54,6 @@ from coordinator.sim.batched import (
     _strip_generators,
     contiguous_slices,
     cpus,
-    share_for_workers,
     shm_error,
     shm_room,
 )
@@ -664,9 +663,11 @@ class _DeltaBlocks:
 
     def get(self, number: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         b = self.blocks.get(number)
-        if b is None or b.shape[0] < rows or b.shape[1] != width or b.dtype != dtype:
-            grown = rows if b is None or b.shape[1] != width or b.dtype != dtype else max(rows, b.shape[0] * 5 // 4)
-            b = self.blocks[number] = torch.empty(grown, width, dtype=dtype).share_memory_()
+        if b is not None and b.shape[1] == width and b.dtype == dtype:
+            if b.shape[0] >= rows:
+                return b
+            rows = max(rows, b.shape[0] * 5 // 4)   # grown by a quarter at least
+        b = self.blocks[number] = torch.empty(rows, width, dtype=dtype).share_memory_()
         return b
 
 
@@ -700,7 +701,6 @@ class GenericEngine(PoolOwner):
         if workers is None:
             n = cpus() if cpu else 1
             workers = min(self.groups, n) if n > 1 else 0
-        self.in_process_reason = None
         if workers > 0:
             import pickle
             shipped = _strip_generators(model)   # the model as the workers get it (the engine's copy holds lambdas)
@@ -711,12 +711,9 @@ class GenericEngine(PoolOwner):
                 log.warning("the generic engine runs its %d slices in this process, one after the other: %s",
                             self.groups, self.in_process_reason)
                 workers = 0
-        if workers > 0:   # the data, shared once with every worker
-            self.in_process_reason = share_for_workers([self.local.x_all, self.local.y_all], "training data")
-            if self.in_process_reason:
-                log.warning("the generic engine runs its %d slices in this process, one after the other (the same "
-                            "results): %s", self.groups, self.in_process_reason)
-                workers = 0
+        # the data, shared once with every worker
+        if workers > 0 and not self.share_data([self.local.x_all, self.local.y_all], "generic engine", self.groups):
+            workers = 0
         self.workers = workers
         self.blocks, self.blocks_lock = _DeltaBlocks(), threading.Lock()
         self.param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
@@ -734,7 +731,7 @@ class GenericEngine(PoolOwner):
         """The tasks' results, in task order (`FunctionalEngine.run`, slice by slice)."""
         parts = self.slices(tasks)
         if self.pool is None:
-            return [r for p in parts for r in self.local.run(w_global, p, buffers)]
+            return self._here(w_global, parts, buffers)
         # the dtype the deltas have: local_train's w_global − weights; vmap's are w_global's
         dtype = w_global.dtype if self.mode == "vmap" else torch.promote_types(w_global.dtype, self.param_dtype)
         width = w_global.numel()
@@ -745,13 +742,13 @@ class GenericEngine(PoolOwner):
                 if not shm_error(e):
                     raise
                 # this round's slices in this process (the same bits); the workers wait for a round that fits
-                need = sum(len(p) for p in parts) * width * torch.empty(0, dtype=dtype).element_size()
+                need = sum(len(p) for p in parts) * width * dtype.itemsize
                 if self.blocks_failed is None:   # said once
                     self.blocks_failed = shm_room(need, "a round's deltas", e)
                     log.warning("the generic engine trains a round's slices in this process, one after the other, "
                                 "where its deltas do not fit in shared memory (the same results): %s",
                                 self.blocks_failed)
-                return [r for p in parts for r in self.local.run(w_global, p, buffers)]
+                return self._here(w_global, parts, buffers)
             futures = [self.pool.submit(_train_in_worker, w_global, p, buffers, (k, b))
                        for k, (p, b) in enumerate(zip(parts, blocks))]
             # every slice finished (or failed) before any block is read or handed out again
@@ -763,6 +760,11 @@ class GenericEngine(PoolOwner):
                     r.delta = b[i].clone()
                 out.extend(results)
             return out
+
+    def _here(self, w_global: torch.Tensor, parts: list[list[TrainTask]],
+              buffers: dict[str, torch.Tensor] | None) -> list[LocalResult]:
+        """The slices one after the other in this process (the same bits as in the workers)."""
+        return [r for p in parts for r in self.local.run(w_global, p, buffers)]
 
     def describe(self) -> str:
         return self.local.describe()
