@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from machine import cpu_model
+from machine import cpu_model, git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -725,8 +725,8 @@ def compare(args, res: dict, sizes: list[int], base: Path) -> int:
     before = Path(args.compare).resolve()
     only_after = {int(x) for x in args.only_after.split(",") if x}
     rounds_at = {int(k): int(v) for k, v in (x.split("=") for x in args.rounds_at.split(",") if x)}
-    res |= {"cpu_model": cpu_model(), "before": {"code": str(before), "commit": _commit(before)},
-            "after": {"code": str(ROOT), "commit": _commit(ROOT) + " + the working tree"}, "compare": []}
+    res |= {"cpu_model": cpu_model(), "before": {"code": str(before), "commit": git_commit(before)},
+            "after": {"code": str(ROOT), "commit": git_commit(ROOT) + " + the working tree"}, "compare": []}
     if args.append:  # the rows of earlier invocations (other settings), kept with their own command and load
         earlier = json.loads(Path(args.out + ".json").read_text())
         res["compare"] = earlier["compare"]
@@ -753,11 +753,6 @@ def compare(args, res: dict, sizes: list[int], base: Path) -> int:
     fs = [row[s] for row in res["compare"] for s in ("before", "after") if s in row]
     return 0 if all(f["lost"] == 0 and f["agents_whose_sent_differs_from_aggregated"] == 0 and f["dropped"] == 0
                     and f["rounds_with_all_participating"] == f["rounds"] for f in fs) else 1
-
-
-def _commit(path: Path) -> str:
-    return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
 
 
 def compare_markdown(res: dict) -> str:

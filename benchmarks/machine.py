@@ -4,6 +4,7 @@ sys.path)."""
 from __future__ import annotations
 
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -26,3 +27,9 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     if not any(ch.isdigit() for ch in name) and "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"
     return name
+
+
+def git_commit(code: Path) -> str:
+    """The short commit of the dropfl checkout at `code` whose code a benchmark ran ("" outside git)."""
+    return subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()

@@ -41,7 +41,7 @@ CODE = sys.argv[sys.argv.index("--engine-child") + 1] if "--engine-child" in sys
 sys.path.insert(0, CODE)
 sys.path.insert(0, str(HERE))
 
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, git_commit  # noqa: E402
 from workloads import WORKLOADS, build  # noqa: E402
 
 # dropfl's own modules are imported where they are used (from CODE)
@@ -115,13 +115,13 @@ def engine(name: str, repeats: int) -> float:
 
 
 def _commit(code: Path) -> str:
-    """The checkout's commit, "+" where its working tree differs from it ("?" outside git)."""
-    def git(*a: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(code), *a], capture_output=True, text=True)
-    head = git("rev-parse", "--short", "HEAD")
-    if head.returncode != 0:
+    """The checkout's commit (`machine.git_commit`), "+" where its working tree differs from it ("?" outside git)."""
+    head = git_commit(code)
+    if not head:
         return "?"
-    return head.stdout.strip() + ("+" if git("status", "--porcelain", "--untracked-files=no").stdout.strip() else "")
+    changed = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True).stdout.strip()
+    return head + ("+" if changed else "")
 
 
 def engine_rate(code: Path, name: str, repeats: int) -> float:
