@@ -2,20 +2,25 @@
 
 The generic engine trains a big convolutional model client by client with `local_train` on one thread (per-client
 mode: eager torch ops on NCHW tensors, the reference loop's bits). This measures one client's SGD steps through
-`local_train` on one thread, computed five ways:
+`local_train` on one thread, computed six ways:
 
-- `eager, NCHW`: the model and images as they are (what per-client mode runs);
+- `eager, NCHW`: the model and images as they are (the loop's computation; per-client mode's for a model
+  without BatchNorm);
 - `channels-last`: the model's parameters and the images channels-last (`.to(memory_format=...)`), so every
   convolution, BatchNorm, ReLU and pool runs on NHWC tensors (oneDNN's NHWC convolutions);
 - `channels-last, BatchNorm input NCHW`: as above, each BatchNorm given its input made contiguous (the generic
   engine's `functional._nchw_input`, its fix for the same precision loss under vmap);
 - `channels-last, BatchNorm in torch ops`: as `channels-last`, each BatchNorm computed by torch ops (`var_mean`
   over (N, H, W), normalise, scale; autograd differentiates them) instead of torch's BatchNorm kernel;
+- `channels-last, BatchNorm summed in double`: what per-client mode runs for a Conv2d-BatchNorm model
+  (`coordinator/sim/channels_last.channels_last_copy`: the parameters channels-last, each BatchNorm2d summing its
+  statistics and gradients in double, the native kernels where they build);
 - `torch.compile`: the NCHW model wrapped in `torch.compile` (TorchInductor, default mode: forward and backward
   compiled; the loss and the SGD step as `local_train` has them), its first call timed apart with an empty inductor
   cache (a temporary `TORCHINDUCTOR_CACHE_DIR`).
 
-Speed: client-steps/s, median of interleaved repeats (each repeat runs every variant once, in rotating order).
+The process keeps freed memory, as the engine's worker processes do (`batched._keep_freed_memory`). Speed:
+client-steps/s, median of interleaved repeats (each repeat runs every variant once, in rotating order).
 Precision: after `--steps` steps from the same weights and buffers, the float32 update's distance from the float64
 update of the eager NCHW computation, ‖Δ32 − Δ64‖ / ‖Δ64‖, the median over `--clients` clients (each its own data
 and batch order), and how many clients were farther than FAR: at a near-tie float32 rounding can send a client's
@@ -50,13 +55,15 @@ import workloads  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from test_functional_engine import TinyResNet  # noqa: E402
 
+from coordinator.sim.batched import _keep_freed_memory  # noqa: E402
+from coordinator.sim.channels_last import channels_last_copy  # noqa: E402
 from coordinator.sim.functional import _nchw_input  # noqa: E402
 from edge_client.models import SeededDropout, get_buffers, get_flat  # noqa: E402
 from edge_client.trainer import TrainTask, local_train  # noqa: E402
 
 FAR = 1e-4   # a client's update this far from float64 went another way at a near-tie (a ReLU's, a pool's)
 VARIANTS = ("eager, NCHW", "channels-last", "channels-last, BatchNorm input NCHW",
-            "channels-last, BatchNorm in torch ops", "torch.compile")
+            "channels-last, BatchNorm in torch ops", "channels-last, BatchNorm summed in double", "torch.compile")
 MODELS = {   # name: (builder, input shape, batch, lr)
     "resnet8-cifar (ResNet-8, BatchNorm)": (lambda: workloads.build("resnet8-cifar"), (3, 32, 32), 16, 0.05),
     "tests' TinyResNet width 8, 3×32×32 (BatchNorm)": (lambda: TinyResNet(8), (3, 32, 32), 16, 0.05),
@@ -87,6 +94,8 @@ def variant(model: nn.Module, name: str) -> tuple[nn.Module, Callable[[torch.Ten
     if name == "torch.compile":
         m.compile()   # in place: its parameters' and buffers' names stay the model's
         return m, lambda x: x
+    if name.endswith("summed in double"):
+        return channels_last_copy(model), lambda x: x.contiguous(memory_format=torch.channels_last)
     m = m.to(memory_format=torch.channels_last)
     for layer in m.modules():
         if isinstance(layer, nn.BatchNorm2d) and name.endswith("input NCHW"):
@@ -149,6 +158,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "per_client_variants")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    _keep_freed_memory()   # as the engine's workers do (no page faults on each step's buffers)
     load0 = os.getloadavg()[0]
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []
@@ -164,7 +174,7 @@ def main() -> None:
              f"CPU: {meta['cpu']}, 1 torch thread; torch {meta['torch']}. 1-min load {load0:.2f} before, "
              f"{load1:.2f} after. Measured {when}.", "",
              f"`.venv/bin/python {meta['command'].removeprefix('python ')}`", "",
-             "One client's SGD steps through `local_train` on one thread (what per-client mode runs), five ways "
+             "One client's SGD steps through `local_train` on one thread (what per-client mode runs), six ways "
              f"(the script's docstring says each); speed: median of {args.repeats} interleaved repeats of "
              f"{args.speed_steps} steps; first call: one step, `torch.compile`'s compilation with an empty cache; "
              f"precision: the float32 update after {args.steps} steps against the float64 eager NCHW update, "

@@ -32,7 +32,8 @@ TIERS = {
         "test_trainer", "test_wire_fuzz",
     ),
     "engine": (
-        "test_absorb_exact", "test_batched_fastpath", "test_batchnorm", "test_client_pooling", "test_engine_device",
+        "test_absorb_exact", "test_batched_fastpath", "test_batchnorm", "test_channels_last", "test_client_pooling",
+        "test_engine_device",
         "test_engine_equivalence",
         "test_engine_workers", "test_evaluator", "test_examples", "test_flower_objectives", "test_functional_engine",
         "test_kernels", "test_objectives", "test_replay_exact", "test_sweep", "test_tutorial",

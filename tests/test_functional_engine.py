@@ -332,15 +332,22 @@ def test_the_mode_follows_the_models_flops_per_sample_never_timings() -> None:
     assert choose_mode(big, x, torch.device("cuda"))[0] == "vmap"
 
 
+@pytest.mark.parametrize("layout", ["channels-last", "NCHW"])
 @pytest.mark.parametrize("workers,cores", [(0, 2), (2, 2), (0, 5), (0, 40)])
-def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, cores: int, monkeypatch) -> None:
+def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, cores: int, layout: str,
+                                                                   monkeypatch) -> None:
     """Per-client mode (a model above the FLOP rule's line): each client's delta, loss, steps and BatchNorm buffers are
     `local_train`'s on one thread from the global weights and buffers, bit for bit, whatever its slice, the number
     of slices (one per core, at most 16: 5 on a 5-core machine, 16 on a 40-core one) and the number of workers;
-    FedProx, SCAFFOLD, several epochs and an empty client included (`mixed_tasks`)."""
+    FedProx, SCAFFOLD, several epochs and an empty client included (`mixed_tasks`). This BatchNorm ResNet trains on
+    its channels-last copy (`channels_last_copy`, the images made channels-last); with DROPFL_CHANNELS_LAST=0 on the
+    model itself (NCHW)."""
     from coordinator.sim import functional
+    from coordinator.sim.channels_last import channels_last_copy
     from coordinator.sim.functional import GenericEngine, PerClientEngine
     monkeypatch.setattr(functional, "cpus", lambda: cores)
+    if layout == "NCHW":
+        monkeypatch.setenv("DROPFL_CHANNELS_LAST", "0")   # the workers inherit it
     torch.manual_seed(0)
     model = TinyResNet(width=16)
     w = get_flat(model)
@@ -350,7 +357,9 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
     engine = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=workers)
     try:
         assert engine.mode == "per-client" and isinstance(engine.local, PerClientEngine)
-        assert engine.describe() == "batched (per client)" and engine.details()["workers"] == workers
+        name = "batched (per client, channels-last)" if layout == "channels-last" else "batched (per client)"
+        assert engine.describe() == name and engine.details()["workers"] == workers
+        assert engine.details()["layout"] == layout
         assert engine.details()["slices"] == min(max(GENERIC_SLICES, cores), 16)   # one per core, at most 16
         got = engine.run(w, tasks, buffers=start)
     finally:
@@ -359,7 +368,12 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
     torch.set_num_threads(1)
     try:
         for task, r in zip(tasks, got):
-            ref = local_train(copy.deepcopy(model), w, *data[task.client], task, buffers=start)
+            x, y = data[task.client]
+            if layout == "channels-last":
+                m, x = channels_last_copy(model), x.contiguous(memory_format=torch.channels_last)
+            else:
+                m = copy.deepcopy(model)
+            ref = local_train(m, w, x, y, task, buffers=start)
             assert torch.equal(r.delta, ref.delta) and (r.loss, r.steps, r.num_samples) == \
                 (ref.loss, ref.steps, ref.num_samples)
             assert all(torch.equal(r.buffers[n], ref.buffers[n]) for n in ref.buffers)
@@ -411,9 +425,10 @@ def test_the_transport_records_per_client_mode() -> None:
     data = make_data([16, 16, 16], (3, 32, 32), torch.float32, seed=1)
     transport = SimTransport(copy.deepcopy(model), data, engine="batched", device="cpu")
     try:
-        assert transport.describe() == "batched (per client)"
+        assert transport.describe() == "batched (per client, channels-last)"
         assert transport.batched.details()["mode"] == "per-client"
         assert "each client after client" in transport.summary()[0] and "does not pay" in transport.summary()[0]
+        assert "on a channels-last copy (Conv2d with BatchNorm2d; BatchNorm summed in double" in transport.summary()[0]
     finally:
         transport.batched.close()
 

@@ -46,6 +46,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 
+from coordinator.sim import channels_last
 from coordinator.sim.batched import (
     AUTO_SLICES_MAX,
     PoolOwner,
@@ -496,7 +497,10 @@ class PerClientEngine:
     """A slice's clients one after the other, each with `local_train` (the reference loop's function) on a copy of
     the model, on `threads` (1) thread(s): the way the generic engine computes a slice on the CPU where a model is
     too big for vmap to pay (`choose_mode`). Each client starts from the global weights and buffers, so a client's
-    result depends on nothing else in its slice: it is `local_train`'s on one thread, bit for bit."""
+    result depends on nothing else in its slice: it is `local_train`'s on one thread, bit for bit. The copy is
+    channels-last where `channels_last.layout_rule` says so (a Conv2d-BatchNorm model: oneDNN's faster NHWC
+    convolutions, BatchNorm summed in double), and each client's images are made channels-last: then a result is
+    `local_train`'s on `channels_last_copy(model)`, bit for bit, and the loop's to float rounding."""
 
     mode = "per-client"
 
@@ -508,7 +512,13 @@ class PerClientEngine:
         self.model = _strip_generators(model).train()   # local_train gives each client's generator to its layers
         self.x_all, self.y_all, self.sizes, self.offsets = _packed_data(client_data, packed)
         self.buffers0 = {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        self.large_pools = self._has_large_pools()
+        self.channels_last, self.layout_reason = channels_last.layout_rule(self.model, self.x_all)
+        self.batchnorm: str | None = None
+        if self.channels_last:
+            self.model = channels_last.channels_last_copy(self.model)
+            self.batchnorm = channels_last.backend()
+        # NCHW max pools (on a channels-last copy the pools are torch's channels-last kernel already)
+        self.large_pools = not self.channels_last and self._has_large_pools()
 
     def _has_large_pools(self) -> bool:
         """Whether the model's forward on two samples pools through `_ChannelsLastMaxPool` (then `run` trains under
@@ -535,18 +545,23 @@ class PerClientEngine:
                 results = []
                 for i, t in enumerate(tasks):
                     lo, n = self.offsets[t.client], self.sizes[t.client]
-                    results.append(local_train(self.model, w_global, self.x_all[lo:lo + n], self.y_all[lo:lo + n],
-                                               t, buffers=start or None, out=None if out is None else out[i]))
+                    x = self.x_all[lo:lo + n]
+                    if self.channels_last:
+                        x = x.contiguous(memory_format=torch.channels_last)
+                    results.append(local_train(self.model, w_global, x, self.y_all[lo:lo + n], t,
+                                               buffers=start or None, out=None if out is None else out[i]))
         finally:
             torch.set_num_threads(saved)
         return results
 
     def describe(self) -> str:
-        return "batched (per client)"
+        return "batched (per client, channels-last)" if self.channels_last else "batched (per client)"
 
     def details(self) -> dict:
         return {"device": "cpu", "workers": 0, "slices": 1, "native": False, "kernel": None, "generic": True,
-                "mode": self.mode, "threads": self.threads, "channels_last_pools": self.large_pools}
+                "mode": self.mode, "threads": self.threads, "channels_last_pools": self.large_pools,
+                "layout": "channels-last" if self.channels_last else "NCHW", "layout_reason": self.layout_reason,
+                "batchnorm": self.batchnorm}
 
     def close(self) -> None:
         """Nothing to stop: the engine runs in this process."""

@@ -91,6 +91,9 @@ class SimTransport:
             if per_client:
                 text += (" (local_train on 1 thread; no hand-written batched forward for this model, and vmap over "
                          f"its clients does not pay for it: {d.get('mode_reason')})")
+                if d.get("layout") == "channels-last":
+                    text += (f", on a channels-last copy ({d.get('layout_reason')}; BatchNorm summed in double, "
+                             f"{d.get('batchnorm')}; DROPFL_CHANNELS_LAST=0 keeps NCHW)")
             elif d.get("generic"):
                 text += ", torch.func (no hand-written batched forward for this model)"
             if d["native"]:

@@ -2,7 +2,8 @@
 
 `conv_pool.cpp` holds the LeNets' first two layers, each relu(max_pool2d(conv2d(·), 2)) fused, for K
 clients at once: `conv_pool_relu` (the first, on the images, weight/bias gradients) and
-`conv2_pool_relu` (the second, on activations, all gradients). They are optional: without a C++
+`conv2_pool_relu` (the second, on activations, all gradients); and per-client mode's BatchNorm on
+channels-last activations (`dropfl_bn_cl_*`, coordinator/sim/channels_last.py). They are optional: without a C++
 compiler, or with DROPFL_KERNEL=off (or DROPFL_NATIVE=0), `available()` is False and the engine runs the
 same layers with torch ops.
 
@@ -187,6 +188,10 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
                 fn.argtypes, fn.restype = [ptr] * 4 + [i64] * 5, None
                 fn = getattr(lib, f"dropfl_fc_bwd_sgd_{suffix}")   # x, g, w, bias, r, gx, K, B, Fin, Fout, lr, block
                 fn.argtypes, fn.restype = [ptr] * 6 + [i64] * 4 + [ctypes.c_double, i64], ctypes.c_int
+            fn = lib.dropfl_bn_cl_fwd_f32   # x, w, bias, y, stats, running mean, var, M, C, eps, factor
+            fn.argtypes, fn.restype = [ptr] * 7 + [i64] * 2 + [ctypes.c_double] * 2, None
+            fn = lib.dropfl_bn_cl_bwd_f32   # g, x, w, stats, dx, dw, db, M, C
+            fn.argtypes, fn.restype = [ptr] * 7 + [i64] * 2, None
             fn = lib.dropfl_log_softmax_nll_f32   # float32 only: x, target, dloss, ce, gi, R, D, exp, log
             fn.argtypes, fn.restype = [ptr] * 5 + [i64] * 2 + [ptr] * 2, ctypes.c_int
             fn = lib.dropfl_fc_head_f32   # FcHead*, x0, target, dloss, ce, K, B
@@ -198,8 +203,9 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
             _libs[variant] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _errors[variant] = str(e)
-            warnings.warn(f"dropfl: native kernels unavailable ({variant}: {e}); the batched engine uses torch "
-                          "ops for the LeNets' first two layers (same results, slower)", stacklevel=2)
+            warnings.warn(f"dropfl: native kernels unavailable ({variant}: {e}); the engines use torch ops "
+                          "instead (the LeNets' first two layers, per-client mode's channels-last BatchNorm: the "
+                          "same results to rounding, slower)", stacklevel=2)
         return _libs.get(variant)
 
 

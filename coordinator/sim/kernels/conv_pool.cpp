@@ -1581,3 +1581,157 @@ DROPFL_UPDATE(float, f32)
 DROPFL_UPDATE(double, f64)
 
 }  // extern "C"
+
+// ---- BatchNorm on channels-last activations (training) ------------------------------------------------
+// Per-client mode's channels-last copy of a BatchNorm model (coordinator/sim/channels_last.py). x, y, g, dx are
+// [M, C] rows: a channels-last [N, C, H, W] batch is M = N*H*W rows of C channels. Torch's own channels-last
+// kernel sums each channel's M values one after the other in float32 (far less precise than its NCHW kernel's
+// cascade); here every sum is in double, so the statistics and gradients are as close to float64 as the NCHW
+// kernel's. Where C divides 64, the rows are read as chunks of 64 values (64 / C rows) with one double
+// accumulator per lane, folded per channel at the end in a fixed order: the loops vectorise whatever C is, and
+// the bits do not depend on anything but the data. Otherwise row by row (C lanes).
+namespace {
+
+constexpr int64_t BN_LANES = 64;
+
+// out[c] = sum over rows of x (shift == nullptr) or of (x - shift[c])^2, in double
+void bn_col_sums(const float* __restrict x, int64_t M, int64_t C, const double* __restrict shift,
+                 double* __restrict out) {
+  const int64_t W = BN_LANES % C == 0 ? BN_LANES : C, R = W / C, chunks = M / R;
+  std::vector<double> acc(W, 0.0), sh(W, 0.0);
+  if (shift) for (int64_t j = 0; j < W; ++j) sh[j] = shift[j % C];
+  double* __restrict a = acc.data();
+  const double* __restrict s = sh.data();
+  if (W == BN_LANES) {
+    for (int64_t i = 0; i < chunks; ++i) {
+      const float* r = x + i * BN_LANES;
+      if (shift) { for (int64_t j = 0; j < BN_LANES; ++j) { const double d = (double)r[j] - s[j]; a[j] += d * d; } }
+      else { for (int64_t j = 0; j < BN_LANES; ++j) a[j] += (double)r[j]; }
+    }
+  } else {
+    for (int64_t i = 0; i < chunks; ++i) {
+      const float* r = x + i * W;
+      if (shift) { for (int64_t j = 0; j < W; ++j) { const double d = (double)r[j] - s[j]; a[j] += d * d; } }
+      else { for (int64_t j = 0; j < W; ++j) a[j] += (double)r[j]; }
+    }
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    double t = 0.0;
+    for (int64_t k = 0; k < R; ++k) t += a[k * C + c];
+    for (int64_t m = chunks * R; m < M; ++m) {   // the rows after the last whole chunk
+      const double v = (double)x[m * C + c] - (shift ? shift[c] : 0.0);
+      t += shift ? v * v : v;
+    }
+    out[c] = t;
+  }
+}
+
+// sg[c] = sum of g, sgx[c] = sum of g * (x - mean[c]), in double
+void bn_dot_sums(const float* __restrict g, const float* __restrict x, int64_t M, int64_t C,
+                 const double* __restrict mean, double* __restrict sg, double* __restrict sgx) {
+  const int64_t W = BN_LANES % C == 0 ? BN_LANES : C, R = W / C, chunks = M / R;
+  std::vector<double> acc(2 * W, 0.0), mu(W);
+  for (int64_t j = 0; j < W; ++j) mu[j] = mean[j % C];
+  double* __restrict a = acc.data();
+  double* __restrict b = acc.data() + W;
+  const double* __restrict u = mu.data();
+  for (int64_t i = 0; i < chunks; ++i) {
+    const float* r = x + i * W;
+    const float* q = g + i * W;
+    for (int64_t j = 0; j < W; ++j) { const double gv = q[j]; a[j] += gv; b[j] += gv * ((double)r[j] - u[j]); }
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    double t = 0.0, tx = 0.0;
+    for (int64_t k = 0; k < R; ++k) { t += a[k * C + c]; tx += b[k * C + c]; }
+    for (int64_t m = chunks * R; m < M; ++m) {
+      const double gv = g[m * C + c];
+      t += gv;
+      tx += gv * ((double)x[m * C + c] - mean[c]);
+    }
+    sg[c] = t;
+    sgx[c] = tx;
+  }
+}
+
+// out = g * k0 + ((x - k1) * k2 + k3) per channel (g == nullptr: without the first term), in float
+void bn_affine(const float* __restrict x, const float* __restrict g, int64_t M, int64_t C, const float* k0,
+               const float* k1, const float* k2, const float* k3, float* __restrict out) {
+  const int64_t W = BN_LANES % C == 0 ? BN_LANES : C, total = M * C;
+  std::vector<float> e(4 * W);
+  for (int64_t j = 0; j < W; ++j) {
+    e[j] = g ? k0[j % C] : 0.f; e[W + j] = k1[j % C]; e[2 * W + j] = k2[j % C]; e[3 * W + j] = k3[j % C];
+  }
+  const float* __restrict e0 = e.data();
+  const float* __restrict e1 = e0 + W;
+  const float* __restrict e2 = e0 + 2 * W;
+  const float* __restrict e3 = e0 + 3 * W;
+  int64_t i = 0;
+  for (; i + W <= total; i += W) {
+    const float* r = x + i;
+    float* o = out + i;
+    if (g) { const float* q = g + i; for (int64_t j = 0; j < W; ++j) o[j] = q[j] * e0[j] + ((r[j] - e1[j]) * e2[j] + e3[j]); }
+    else { for (int64_t j = 0; j < W; ++j) o[j] = (r[j] - e1[j]) * e2[j] + e3[j]; }
+  }
+  for (; i < total; ++i) {   // a last chunk of fewer than W values (whole rows: W is a multiple of C)
+    const int64_t j = i % W;
+    out[i] = (g ? g[i] * e0[j] : 0.f) + ((x[i] - e1[j]) * e2[j] + e3[j]);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Forward: y = (x - mean) * (invstd * w) + b. stats [3, C] double out: mean, var (biased), invstd =
+// 1 / sqrt(var + eps). w, b may be null (affine=False). Where running_mean is not null, the running statistics
+// are updated as torch's kernel updates them, rounded once from double: r = factor * stat + (1 - factor) * r, the
+// variance unbiased (var * M / (M - 1)).
+void dropfl_bn_cl_fwd_f32(const float* x, const float* w, const float* b, float* y, double* stats,
+                          float* running_mean, float* running_var, int64_t M, int64_t C, double eps,
+                          double factor) {
+  double* mean = stats;
+  double* var = stats + C;
+  double* invstd = stats + 2 * C;
+  bn_col_sums(x, M, C, nullptr, mean);
+  for (int64_t c = 0; c < C; ++c) mean[c] /= (double)M;
+  bn_col_sums(x, M, C, mean, var);
+  std::vector<float> k1(C), k2(C), k3(C);
+  for (int64_t c = 0; c < C; ++c) {
+    var[c] /= (double)M;
+    invstd[c] = 1.0 / std::sqrt(var[c] + eps);
+    k1[c] = (float)mean[c];
+    k2[c] = (float)(invstd[c] * (w ? (double)w[c] : 1.0));
+    k3[c] = b ? b[c] : 0.f;
+    if (running_mean) {
+      running_mean[c] = (float)(factor * mean[c] + (1.0 - factor) * (double)running_mean[c]);
+      running_var[c] = (float)(factor * var[c] * ((double)M / (double)(M - 1)) + (1.0 - factor) * (double)running_var[c]);
+    }
+  }
+  bn_affine(x, nullptr, M, C, nullptr, k1.data(), k2.data(), k3.data(), y);
+}
+
+// Backward, from the forward's stats: sg = sum g, sgx = sum g * (x - mean), in double; db = sg and dw = sgx *
+// invstd where not null (float); dx = w * invstd * (g - sg / M - (x - mean) * invstd^2 * sgx / M) where not null.
+void dropfl_bn_cl_bwd_f32(const float* g, const float* x, const float* w, const double* stats, float* dx,
+                          float* dw, float* db, int64_t M, int64_t C) {
+  const double* mean = stats;
+  const double* invstd = stats + 2 * C;
+  std::vector<double> sg(C), sgx(C);
+  bn_dot_sums(g, x, M, C, mean, sg.data(), sgx.data());
+  for (int64_t c = 0; c < C; ++c) {
+    if (dw) dw[c] = (float)(sgx[c] * invstd[c]);
+    if (db) db[c] = (float)sg[c];
+  }
+  if (!dx) return;
+  std::vector<float> k0(C), k1(C), k2(C), k3(C);
+  for (int64_t c = 0; c < C; ++c) {
+    const double is = invstd[c], a = is * (w ? (double)w[c] : 1.0);
+    k0[c] = (float)a;
+    k1[c] = (float)mean[c];
+    k2[c] = (float)(-a * is * is * sgx[c] / (double)M);
+    k3[c] = (float)(-a * sg[c] / (double)M);
+  }
+  bn_affine(x, g, M, C, k0.data(), k1.data(), k2.data(), k3.data(), dx);
+}
+
+}  // extern "C"
