@@ -16,6 +16,9 @@ Two calls, both once per process:
   allocations below it come from the heap, not from fresh mmaps; M_TRIM_THRESHOLD 512 MB, so up to that
   much freed memory stays in the process for the next allocation.
 
+The engines' training workers make the same two calls with their own thresholds (1 GiB each,
+`coordinator.sim.batched._keep_freed_memory`): their steps allocate and free activations of a few MB.
+
 Numbers are unchanged (where memory comes from does not change any arithmetic; tests/test_alloc.py runs a
 simulation both ways). The cost is resident memory that is not returned at once: at most 512 MB of freed
 heap. Only glibc has these knobs (elsewhere this is a no-op); `DROPFL_MALLOC=default` keeps glibc's own
@@ -60,8 +63,11 @@ def one_arena() -> bool:
     return _mallopt(ARENAS)
 
 
-def keep_freed_memory() -> bool:
-    """Serve allocations below 256 MB from the heap and keep up to 512 MB of freed memory for reuse."""
-    ok = _mallopt(THRESHOLDS)
+def keep_freed_memory(mmap_below: int = 256 << 20, keep: int = 512 << 20) -> bool:
+    """Serve allocations below `mmap_below` bytes from the heap and keep up to `keep` bytes of freed memory for
+    reuse (the coordinator's process: 256 and 512 MB; the engines' training workers: 1 GiB each,
+    `batched._keep_freed_memory`)."""
+    ok = _mallopt(THRESHOLDS if (mmap_below, keep) == (256 << 20, 512 << 20)
+                  else ((M_MMAP_THRESHOLD, mmap_below), (M_TRIM_THRESHOLD, keep)))
     log.debug("malloc: %s", "freed memory kept for reuse (coordinator/alloc.py)" if ok else "glibc's defaults")
     return ok

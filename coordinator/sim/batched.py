@@ -805,20 +805,15 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
-def _keep_freed_memory() -> None:
-    """glibc: serve every allocation from the heap and never give freed memory back to the kernel.
-    A training step allocates and frees activations of a few MB; by default glibc maps them fresh
-    each time and the first touch of every page faults (~400 page faults and ~0.7 ms of kernel time
-    per 15-client MimiC-CNN step, ~8 % of the step; measured, see docs/engine.md). The worker's RSS
-    then stays at its peak, which is what a long-lived training worker needs anyway."""
-    if sys.platform.startswith("linux"):
-        import contextlib
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): nothing to tune
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: no mmap below 1 GiB
-            libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
+def _keep_freed_memory() -> bool:
+    """In a training worker: glibc serves every allocation below 1 GiB from the heap and keeps up to 1 GiB of freed
+    memory (`coordinator.alloc.keep_freed_memory`). A training step allocates and frees activations of a few MB; by
+    default glibc maps them fresh each time and the first touch of every page faults (~400 page faults and ~0.7 ms
+    of kernel time per 15-client MimiC-CNN step, ~8 % of the step; measured, see docs/engine.md). The worker's RSS
+    then stays at its peak, which is what a long-lived training worker needs anyway. DROPFL_MALLOC=default keeps
+    glibc's own settings here too."""
+    from coordinator import alloc
+    return alloc.keep_freed_memory(mmap_below=1 << 30, keep=1 << 30)
 
 
 def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
