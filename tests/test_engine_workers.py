@@ -123,6 +123,51 @@ def test_a_round_whose_deltas_find_no_room_trains_in_this_process(monkeypatch, c
         assert all(torch.equal(a.delta, b.delta) and a.loss == b.loss for a, b in zip(got, ref))
 
 
+def test_a_round_that_cannot_reach_the_workers_trains_in_this_process(monkeypatch, caplog):
+    """A round's weights and buffers go to the workers, and their results come back, through shared memory (torch's
+    pickling): where /dev/shm is full on the way (the futures raise torch's error), that round's slices run in this
+    process with the same results, said once however many rounds it happens to; a round that fits goes to the
+    workers again."""
+    import concurrent.futures
+
+    import torch
+
+    from coordinator.sim.functional import GenericEngine
+    from edge_client.models import build_model, get_flat
+    from edge_client.trainer import TrainTask
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.rand(24, 1, 28, 28, generator=g), torch.randint(0, 10, (24,), generator=g)) for _ in range(4)]
+    model = build_model("mimic-cnn", (1, 28, 28), seed=0)
+    w = get_flat(model)
+    tasks = [TrainTask(c, 0, 0.05, 8, steps=2, seed=3) for c in range(4)]
+    engine = GenericEngine(model, data, "cpu", workers=2, mode="per-client")
+    try:
+        assert engine.workers == 2
+        ref = engine.run(w, tasks)
+        submit = engine.pool.submit
+        sent = []
+
+        def full(fn, *args):   # what a full /dev/shm does to a round: its futures fail with torch's error
+            sent.append(fn)
+            f = concurrent.futures.Future()
+            f.set_exception(RuntimeError(SHM_ERROR))
+            return f
+        monkeypatch.setattr(engine.pool, "submit", full)
+        with caplog.at_level("WARNING", logger="dropfl.sim"):
+            rounds = [engine.run(w, tasks) for _ in range(2)]
+        monkeypatch.setattr(engine.pool, "submit", submit)
+        again = engine.run(w, tasks)
+    finally:
+        engine.close()
+    assert len(sent) == 4   # both rounds were tried on the workers first
+    warned = [r.message for r in caplog.records]
+    assert len(warned) == 1 and "does not fit in shared memory on its way to or from the workers" in warned[0]
+    assert "MB of a round's weights and buffers" in warned[0] and "--shm-size" in warned[0]
+    for got in [*rounds, again]:
+        assert all(torch.equal(a.delta, b.delta) and a.loss == b.loss for a, b in zip(got, ref))
+
+
 def _unshare_usable() -> str | None:
     import os
     import shutil

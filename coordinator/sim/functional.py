@@ -733,6 +733,7 @@ class GenericEngine(PoolOwner):
         self.blocks, self.blocks_lock = _DeltaBlocks(), threading.Lock()
         self.param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
         self.blocks_failed: str | None = None   # why a round's deltas first found no room in shared memory
+        self.transfer_failed: str | None = None   # why a round's weights or results first found none
         if workers > 0:
             self.start_pool(workers, _init_worker, (shipped, self.local.x_all, self.local.y_all, self.local.sizes,
                                                     mode))
@@ -768,6 +769,17 @@ class GenericEngine(PoolOwner):
                        for k, (p, b) in enumerate(zip(parts, blocks))]
             # every slice finished (or failed) before any block is read or handed out again
             concurrent.futures.wait(futures)
+            full = next((e for e in (f.exception() for f in futures) if e is not None and shm_error(e)), None)
+            if full is not None:
+                # the weights, the buffers or a slice's results did not fit in shared memory on their way: this
+                # round's slices in this process (the same bits; no worker writes into a block any more)
+                if self.transfer_failed is None:   # said once
+                    need = w_global.nbytes + sum(b.nbytes for b in (buffers or {}).values())
+                    self.transfer_failed = shm_room(need, "a round's weights and buffers (and its results)", full)
+                    log.warning("the generic engine trains a round's slices in this process, one after the other, "
+                                "where the round does not fit in shared memory on its way to or from the workers "
+                                "(the same results): %s", self.transfer_failed)
+                return self._here(w_global, parts, buffers)
             out = []
             for f, b in zip(futures, blocks):
                 results = f.result()
