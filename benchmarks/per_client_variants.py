@@ -2,7 +2,7 @@
 
 The generic engine trains a big convolutional model client by client with `local_train` on one thread (per-client
 mode: eager torch ops on NCHW tensors, the reference loop's bits). This measures one client's SGD steps through
-`local_train` on one thread, computed six ways:
+`local_train` on one thread, computed seven ways:
 
 - `eager, NCHW`: the model and images as they are (the loop's computation; per-client mode's for a model
   without BatchNorm);
@@ -14,7 +14,9 @@ mode: eager torch ops on NCHW tensors, the reference loop's bits). This measures
   over (N, H, W), normalise, scale; autograd differentiates them) instead of torch's BatchNorm kernel;
 - `channels-last, BatchNorm summed in double`: what per-client mode runs for a Conv2d-BatchNorm model
   (`coordinator/sim/channels_last.channels_last_copy`: the parameters channels-last, each BatchNorm2d summing its
-  statistics and gradients in double, the native kernels where they build);
+  statistics and gradients in double, the native kernels where they build; the images as they are);
+- `channels-last, BatchNorm summed in double (torch backend)`: the same with the reference backend (torch ops on a
+  float64 copy of each batch), what runs where the kernels do not build;
 - `torch.compile`: the NCHW model wrapped in `torch.compile` (TorchInductor, default mode: forward and backward
   compiled; the loss and the SGD step as `local_train` has them), its first call timed apart with an empty inductor
   cache (a temporary `TORCHINDUCTOR_CACHE_DIR`).
@@ -42,6 +44,7 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import unittest.mock  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -55,6 +58,7 @@ import workloads  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from test_functional_engine import TinyResNet  # noqa: E402
 
+from coordinator.sim import channels_last  # noqa: E402
 from coordinator.sim.batched import _keep_freed_memory  # noqa: E402
 from coordinator.sim.channels_last import channels_last_copy  # noqa: E402
 from coordinator.sim.functional import _nchw_input  # noqa: E402
@@ -63,7 +67,8 @@ from edge_client.trainer import TrainTask, local_train  # noqa: E402
 
 FAR = 1e-4   # a client's update this far from float64 went another way at a near-tie (a ReLU's, a pool's)
 VARIANTS = ("eager, NCHW", "channels-last", "channels-last, BatchNorm input NCHW",
-            "channels-last, BatchNorm in torch ops", "channels-last, BatchNorm summed in double", "torch.compile")
+            "channels-last, BatchNorm in torch ops", "channels-last, BatchNorm summed in double",
+            "channels-last, BatchNorm summed in double (torch backend)", "torch.compile")
 MODELS = {   # name: (builder, input shape, batch, lr)
     "resnet8-cifar (ResNet-8, BatchNorm)": (lambda: workloads.build("resnet8-cifar"), (3, 32, 32), 16, 0.05),
     "tests' TinyResNet width 8, 3×32×32 (BatchNorm)": (lambda: TinyResNet(8), (3, 32, 32), 16, 0.05),
@@ -94,8 +99,16 @@ def variant(model: nn.Module, name: str) -> tuple[nn.Module, Callable[[torch.Ten
     if name == "torch.compile":
         m.compile()   # in place: its parameters' and buffers' names stay the model's
         return m, lambda x: x
-    if name.endswith("summed in double"):
-        return channels_last_copy(model), lambda x: x.contiguous(memory_format=torch.channels_last)
+    if "summed in double" in name:
+        m = channels_last_copy(model)
+        if name.endswith("(torch backend)"):   # the reference backend: each forward told there is no library
+            forward = m.forward
+
+            def torch_backend(x: torch.Tensor) -> torch.Tensor:
+                with unittest.mock.patch.object(channels_last, "_native", lambda: None):
+                    return forward(x)   # (the backward uses what each forward chose)
+            m.forward = torch_backend
+        return m, lambda x: x   # the images as they are, as the engine trains
     m = m.to(memory_format=torch.channels_last)
     for layer in m.modules():
         if isinstance(layer, nn.BatchNorm2d) and name.endswith("input NCHW"):
@@ -174,7 +187,7 @@ def main() -> None:
              f"CPU: {meta['cpu']}, 1 torch thread; torch {meta['torch']}. 1-min load {load0:.2f} before, "
              f"{load1:.2f} after. Measured {when}.", "",
              f"`.venv/bin/python {meta['command'].removeprefix('python ')}`", "",
-             "One client's SGD steps through `local_train` on one thread (what per-client mode runs), six ways "
+             "One client's SGD steps through `local_train` on one thread (what per-client mode runs), seven ways "
              f"(the script's docstring says each); speed: median of {args.repeats} interleaved repeats of "
              f"{args.speed_steps} steps; first call: one step, `torch.compile`'s compilation with an empty cache; "
              f"precision: the float32 update after {args.steps} steps against the float64 eager NCHW update, "

@@ -154,6 +154,7 @@ def test_the_copy_is_the_model_channels_last():
     assert _MyBatchNorm.seen == [True]
 
 
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="the native kernels do not build here")
 def test_which_models_train_channels_last(monkeypatch):
     x = torch.zeros(2, 3, 8, 8)
     assert cl.layout_rule(TinyResNet(4), x) == (True, "Conv2d with BatchNorm2d")
@@ -161,19 +162,18 @@ def test_which_models_train_channels_last(monkeypatch):
     assert cl.layout_rule(_Net(nn.GroupNorm(2, 8)), x) == \
         (False, "GroupNorm (their channels-last kernels are not checked)")
     assert cl.layout_rule(TinyResNet(4), torch.zeros(2, 3 * 64))[0] is False                   # not images
+    assert cl.layout_rule(TinyResNet(4).double(), x.double()) == \
+        (False, "not float32 (the native BatchNorm kernels' dtype)")
+    monkeypatch.setattr(cl, "_native", lambda: None)   # no compiler, or DROPFL_KERNEL=off
+    assert cl.layout_rule(TinyResNet(4), x)[1].startswith("the native kernels are unavailable")
     monkeypatch.setenv("DROPFL_CHANNELS_LAST", "0")
     assert cl.layout_rule(TinyResNet(4), x) == (False, "DROPFL_CHANNELS_LAST=0")
 
 
-@pytest.mark.parametrize("backend", ["native", "torch"])
-def test_per_client_mode_channels_last_equals_the_loop_within_float_rounding(backend, monkeypatch):
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="the native kernels do not build here")
+def test_per_client_mode_channels_last_equals_the_loop_within_float_rounding():
     """The engine (channels-last, 2 workers) against the loop's NCHW `local_train` on one thread, one step per
     client (after one step no near-tie has compounded): FedProx, SCAFFOLD and BatchNorm buffers included."""
-    if backend == "native" and len(BACKENDS) < 2:
-        pytest.skip("the native kernels do not build here")
-    if backend == "torch":
-        monkeypatch.setenv("DROPFL_KERNEL", "off")   # the workers inherit it
-        monkeypatch.setattr(kernels, "_chosen", None)
     torch.manual_seed(0)
     model = TinyResNet(width=16)
     w = get_flat(model)
@@ -183,7 +183,7 @@ def test_per_client_mode_channels_last_equals_the_loop_within_float_rounding(bac
     engine = GenericEngine(copy.deepcopy(model), data, device="cpu", workers=2)
     try:
         assert engine.details()["layout"] == "channels-last"
-        assert engine.details()["batchnorm"] == ("torch" if backend == "torch" else f"native ({kernels.chosen()})")
+        assert engine.details()["batchnorm"] == f"native ({kernels.chosen()})"
         got = engine.run(w, tasks)
     finally:
         engine.close()
@@ -198,3 +198,20 @@ def test_per_client_mode_channels_last_equals_the_loop_within_float_rounding(bac
                 torch.testing.assert_close(r.buffers[n], ref.buffers[n], rtol=1e-5, atol=1e-6)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_without_the_native_kernels_per_client_mode_stays_nchw(monkeypatch):
+    """With DROPFL_KERNEL=off (as without a compiler) a BatchNorm ResNet trains NCHW, `local_train`'s bits: the torch
+    backend's float64 copy of every batch would make the channels-last step slower than the NCHW one."""
+    monkeypatch.setenv("DROPFL_KERNEL", "off")
+    monkeypatch.setattr(kernels, "_chosen", None)
+    torch.manual_seed(0)
+    model = TinyResNet(width=16)
+    engine = GenericEngine(copy.deepcopy(model), make_data([8, 8], (3, 32, 32), torch.float32, seed=4), device="cpu",
+                           workers=0)
+    try:
+        d = engine.details()
+        assert engine.describe() == "batched (per client)" and d["layout"] == "NCHW" and d["batchnorm"] is None
+        assert d["layout_reason"].startswith("the native kernels are unavailable (turned off")
+    finally:
+        engine.close()

@@ -106,7 +106,8 @@ def test_arm64_agent_with_plugins_joins_a_tls_trial_and_matches_x86(emulated):
 def test_the_engine_equivalence_tests_pass_on_arm64(emulated):
     """`--engine-tests`: on arm64 under qemu, the generic and batched engines equal the loop within their
     tolerances, the same round twice gives the same bits, a replay and a resume of a BatchNorm model's run on the loop
-    give its bits, the engine's max pools give torch's bits; the native kernels' test skips, with its reason."""
+    give its bits, the engine's max pools give torch's bits, per-client mode's channels-last BatchNorm is as close to
+    float64 as torch's NCHW kernel; the native kernels' test skips, with its reason."""
     run, out = emulated
     assert run.returncode == 0, run.stderr[-4000:]
     e = json.loads((out / "result.json").read_text())["engine_tests"]
@@ -117,6 +118,7 @@ def test_the_engine_equivalence_tests_pass_on_arm64(emulated):
                       "test_batched_matches_loop_under_dropouts",
                       "test_resume_and_replay_give_the_same_model_and_buffers",
                       "test_values_and_gradients_are_torchs_rule_bit_for_bit",
-                      "test_channels_last_pool_is_torchs_pool_bit_for_bit"}, e["tests"]
+                      "test_channels_last_pool_is_torchs_pool_bit_for_bit",
+                      "test_the_channels_last_batchnorm_is_as_close_to_float64_as_torch_s_nchw_kernel"}, e["tests"]
     skipped = [t for t in e["tests"] if t["outcome"] == "skipped"]
     assert skipped and all(t["reason"] for t in skipped)   # the native kernels' test: skipped, with its reason

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator.sim import kernels
 from coordinator.sim.batched import BatchedEngine, Evaluator
 from coordinator.sim.functional import GENERIC_SLICES, FunctionalEngine, GenericEngine
 from coordinator.sim.transport import SimTransport
@@ -340,14 +341,16 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
     `local_train`'s on one thread from the global weights and buffers, bit for bit, whatever its slice, the number
     of slices (one per core, at most 16: 5 on a 5-core machine, 16 on a 40-core one) and the number of workers;
     FedProx, SCAFFOLD, several epochs and an empty client included (`mixed_tasks`). This BatchNorm ResNet trains on
-    its channels-last copy (`channels_last_copy`, the images made channels-last); with DROPFL_CHANNELS_LAST=0 on the
-    model itself (NCHW)."""
+    its channels-last copy (`channels_last_copy`; the images as they are); with DROPFL_CHANNELS_LAST=0 on the model
+    itself (NCHW)."""
     from coordinator.sim import functional
     from coordinator.sim.channels_last import channels_last_copy
     from coordinator.sim.functional import GenericEngine, PerClientEngine
     monkeypatch.setattr(functional, "cpus", lambda: cores)
     if layout == "NCHW":
         monkeypatch.setenv("DROPFL_CHANNELS_LAST", "0")   # the workers inherit it
+    elif not kernels.available():
+        pytest.skip("channels-last needs the native kernels, which do not build here")
     torch.manual_seed(0)
     model = TinyResNet(width=16)
     w = get_flat(model)
@@ -368,12 +371,8 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
     torch.set_num_threads(1)
     try:
         for task, r in zip(tasks, got):
-            x, y = data[task.client]
-            if layout == "channels-last":
-                m, x = channels_last_copy(model), x.contiguous(memory_format=torch.channels_last)
-            else:
-                m = copy.deepcopy(model)
-            ref = local_train(m, w, x, y, task, buffers=start)
+            m = channels_last_copy(model) if layout == "channels-last" else copy.deepcopy(model)
+            ref = local_train(m, w, *data[task.client], task, buffers=start)
             assert torch.equal(r.delta, ref.delta) and (r.loss, r.steps, r.num_samples) == \
                 (ref.loss, ref.steps, ref.num_samples)
             assert all(torch.equal(r.buffers[n], ref.buffers[n]) for n in ref.buffers)
@@ -425,10 +424,12 @@ def test_the_transport_records_per_client_mode() -> None:
     data = make_data([16, 16, 16], (3, 32, 32), torch.float32, seed=1)
     transport = SimTransport(copy.deepcopy(model), data, engine="batched", device="cpu")
     try:
-        assert transport.describe() == "batched (per client, channels-last)"
+        layout = ", channels-last" if kernels.available() else ""   # (it needs the native kernels)
+        assert transport.describe() == f"batched (per client{layout})"
         assert transport.batched.details()["mode"] == "per-client"
         assert "each client after client" in transport.summary()[0] and "does not pay" in transport.summary()[0]
-        assert "on a channels-last copy (Conv2d with BatchNorm2d; BatchNorm summed in double" in transport.summary()[0]
+        said = "on a channels-last copy (Conv2d with BatchNorm2d; BatchNorm summed in double" in transport.summary()[0]
+        assert said == kernels.available()
     finally:
         transport.batched.close()
 

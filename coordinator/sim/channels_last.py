@@ -6,18 +6,20 @@ model and its images channels-last (benchmarks/results/per_client_variants.md). 
 was torch's CPU BatchNorm kernel on channels-last float32 input: it sums each channel's N·H·W values one after the
 other in float32, and ResNet-8's updates came out ~1,700× farther from float64 than NCHW's. Here every
 `nn.BatchNorm2d` of the copy computes its batch statistics and gradients with sums in double instead
-(`_BatchNormCL`), as close to float64 as torch's NCHW kernel (tests/test_channels_last.py): ResNet-8's step 1.22×
+(`_BatchNormCL`), as close to float64 as torch's NCHW kernel (tests/test_channels_last.py): ResNet-8's step 1.23×
 the NCHW one, the same distance from float64.
 
 Two backends behind one autograd function, the same formulas:
 - "native": `dropfl_bn_cl_fwd_f32` / `_bwd_f32` in the native kernels' library (coordinator/sim/kernels,
   conv_pool.cpp: one pass per sum, vectorised over 64 lanes), float32 on the CPU where the library builds;
-- "torch": torch ops on a float64 copy of the batch (the reference; any float dtype), where the library is not
-  available (no compiler, DROPFL_KERNEL=off).
+- "torch": torch ops on a float64 copy of the batch (the reference the tests hold the kernels to; any float dtype;
+  a layer whose tensors are not all float32).
 
 `layout_rule(model, x)` says whether per-client mode trains a model channels-last: a model with a Conv2d and a
 BatchNorm2d (the models measured faster), no GroupNorm, InstanceNorm2d or LocalResponseNorm (their channels-last
-kernels' precision is not checked: such a model stays NCHW), 4-D float inputs, and DROPFL_CHANNELS_LAST not "0".
+kernels' precision is not checked: such a model stays NCHW), float32 parameters and 4-D float32 inputs, the native
+kernels available (the torch backend makes a float64 copy of every batch: ResNet-8's step 0.60× the NCHW one, so
+without the kernels the model stays NCHW), and DROPFL_CHANNELS_LAST not "0".
 A run then trains each client with `local_train` on `channels_last_copy(model)`: equal to the loop (NCHW) to
 float rounding, bit for bit the same whatever the slices and workers (tests/test_channels_last.py).
 """
@@ -46,6 +48,11 @@ def layout_rule(model: nn.Module, x: torch.Tensor) -> tuple[bool, str]:
     odd = sorted({type(m).__name__ for m in mods if isinstance(m, _UNCHECKED_NORMS)})
     if odd:
         return False, f"{', '.join(odd)} (their channels-last kernels are not checked)"
+    if x.dtype != torch.float32 or any(p.dtype != torch.float32 for p in model.parameters()):
+        return False, "not float32 (the native BatchNorm kernels' dtype)"
+    if _native() is None:   # the torch backend is precise but slower than NCHW: not worth the layout
+        from coordinator.sim import kernels
+        return False, f"the native kernels are unavailable ({kernels.error() or 'not built'})"
     return True, "Conv2d with BatchNorm2d"
 
 

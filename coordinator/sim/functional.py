@@ -499,8 +499,9 @@ class PerClientEngine:
     too big for vmap to pay (`choose_mode`). Each client starts from the global weights and buffers, so a client's
     result depends on nothing else in its slice: it is `local_train`'s on one thread, bit for bit. The copy is
     channels-last where `channels_last.layout_rule` says so (a Conv2d-BatchNorm model: oneDNN's faster NHWC
-    convolutions, BatchNorm summed in double), and each client's images are made channels-last: then a result is
-    `local_train`'s on `channels_last_copy(model)`, bit for bit, and the loop's to float rounding."""
+    convolutions, BatchNorm summed in double; the images stay NCHW, the first convolution's output is channels-last
+    as its weight is): then a result is `local_train`'s on `channels_last_copy(model)`, bit for bit, and the loop's
+    to float rounding."""
 
     mode = "per-client"
 
@@ -545,11 +546,8 @@ class PerClientEngine:
                 results = []
                 for i, t in enumerate(tasks):
                     lo, n = self.offsets[t.client], self.sizes[t.client]
-                    x = self.x_all[lo:lo + n]
-                    if self.channels_last:
-                        x = x.contiguous(memory_format=torch.channels_last)
-                    results.append(local_train(self.model, w_global, x, self.y_all[lo:lo + n], t,
-                                               buffers=start or None, out=None if out is None else out[i]))
+                    results.append(local_train(self.model, w_global, self.x_all[lo:lo + n], self.y_all[lo:lo + n],
+                                               t, buffers=start or None, out=None if out is None else out[i]))
         finally:
             torch.set_num_threads(saved)
         return results

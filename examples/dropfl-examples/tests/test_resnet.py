@@ -39,5 +39,6 @@ def test_trains_on_the_default_engine(tmp_path):
     run = dropfl.simulate(cfg, out=tmp_path / "run")
     rows = run.metrics()
     # the generic engine: per client, as ResNet-8 is above the size where vmap over the clients pays
-    assert [r["engine"] for r in rows] == ["batched (per client, channels-last)"] * 3
+    assert [r["engine"] for r in rows] == ["batched (per client, channels-last)"] * 3 or all(
+        r["engine"] == "batched (per client)" for r in rows)   # NCHW where the native kernels do not build
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
