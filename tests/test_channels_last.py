@@ -173,7 +173,11 @@ def test_which_models_train_channels_last(monkeypatch):
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="the native kernels do not build here")
 def test_per_client_mode_channels_last_equals_the_loop_within_float_rounding():
     """The engine (channels-last, 2 workers) against the loop's NCHW `local_train` on one thread, one step per
-    client (after one step no near-tie has compounded): FedProx, SCAFFOLD and BatchNorm buffers included."""
+    client, FedProx, SCAFFOLD and BatchNorm buffers included: the same loss, and the same update within 1e-5
+    (relative) wherever neither went another way than float64 at a near-tie (both within 1e-4 of the float64
+    loop: at least 3 of the 5 clients); over the clients as close to float64 as the loop (median at most 2× + 1e-7).
+    With torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 machine) the loop
+    itself went another way for one client after this one step, the engine did not: hence the float64 yardstick."""
     torch.manual_seed(0)
     model = TinyResNet(width=16)
     w = get_flat(model)
@@ -189,15 +193,28 @@ def test_per_client_mode_channels_last_equals_the_loop_within_float_rounding():
         engine.close()
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
+    engine_err, loop_err, compared = [], [], 0
     try:
         for t, r in zip(tasks, got):
-            ref = local_train(copy.deepcopy(model), w, *data[t.client], t)
-            assert rel(r.delta, ref.delta.double()) < 1e-5, (t.client, rel(r.delta, ref.delta.double()))
+            x, y = data[t.client]
+            ref = local_train(copy.deepcopy(model), w, x, y, t)
+            corr = None if t.grad_correction is None else t.grad_correction.double()
+            t64 = TrainTask(client=t.client, round=t.round, lr=t.lr, batch_size=16, steps=1, prox_mu=t.prox_mu,
+                            grad_correction=corr, seed=t.seed)
+            f64 = local_train(copy.deepcopy(model).double(), w.double(), x.double(), y, t64).delta
+            engine_err.append(rel(r.delta, f64))
+            loop_err.append(rel(ref.delta, f64))
             assert abs(r.loss - ref.loss) < 1e-5 and r.steps == ref.steps
-            for n in ref.buffers:
-                torch.testing.assert_close(r.buffers[n], ref.buffers[n], rtol=1e-5, atol=1e-6)
+            if max(engine_err[-1], loop_err[-1]) < 1e-4:
+                compared += 1
+                assert rel(r.delta, ref.delta.double()) < 1e-5, (t.client, rel(r.delta, ref.delta.double()))
+                for n in ref.buffers:
+                    torch.testing.assert_close(r.buffers[n], ref.buffers[n], rtol=1e-5, atol=1e-6)
     finally:
         torch.set_num_threads(saved)
+    assert compared >= 3, (engine_err, loop_err)
+    median = lambda v: sorted(v)[len(v) // 2]   # noqa: E731
+    assert median(engine_err) <= 2 * median(loop_err) + 1e-7, (engine_err, loop_err)
 
 
 def test_without_the_native_kernels_per_client_mode_stays_nchw(monkeypatch):
