@@ -206,3 +206,37 @@ def test_a_run_with_an_8_mb_dev_shm_completes_with_the_same_model(tmp_path):
         rows = [json.loads(r) for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if k not in ("seconds", "elapsed")} for r in rows]
     assert len(metrics("roomy")) == 2 and metrics("roomy") == metrics("small")
+
+
+def _malloc_settings() -> dict:
+    """In a worker process: the mallopt settings `coordinator.alloc` applied there, and whether they took."""
+    from coordinator import alloc
+    return dict(alloc._applied)
+
+
+@pytest.mark.parametrize("env", [None, "default"])
+def test_the_workers_keep_freed_memory_unless_told_not_to(env, monkeypatch):
+    """The engines' worker processes tell glibc to keep freed memory (mmap threshold and trim threshold 1 GiB: no page
+    faults on each step's buffers), through `coordinator.alloc` like the coordinator's process; DROPFL_MALLOC=default
+    keeps glibc's own settings there too."""
+    import platform
+
+    import torch
+
+    from coordinator.sim.functional import GenericEngine
+    from edge_client.models import build_model
+
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's; elsewhere the workers keep the allocator's defaults")
+    if env is None:
+        monkeypatch.delenv("DROPFL_MALLOC", raising=False)
+    else:
+        monkeypatch.setenv("DROPFL_MALLOC", env)   # the spawned workers inherit it
+    data = [(torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,))) for _ in range(2)]
+    engine = GenericEngine(build_model("mimic-cnn", (1, 28, 28), seed=0), data, "cpu", workers=2, mode="per-client")
+    try:
+        assert engine.workers == 2
+        settings = engine.pool.submit(_malloc_settings).result(timeout=120)
+    finally:
+        engine.close()
+    assert settings == {((-3, 1 << 30), (-1, 1 << 30)): env is None}
