@@ -730,8 +730,7 @@ class GenericEngine(PoolOwner):
         self.workers = workers
         self.blocks, self.blocks_lock = _DeltaBlocks(), threading.Lock()
         self.param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
-        self.blocks_failed: str | None = None   # why a round's deltas first found no room in shared memory
-        self.transfer_failed: str | None = None   # why a round's weights or results first found none
+        self.no_room: dict[str, str] = {}   # why a round first found no room in shared memory, by where (`_no_room`)
         if workers > 0:
             self.start_pool(workers, _init_worker, (shipped, self.local.x_all, self.local.y_all, self.local.sizes,
                                                     mode))
@@ -755,13 +754,8 @@ class GenericEngine(PoolOwner):
             except RuntimeError as e:
                 if not shm_error(e):
                     raise
-                # this round's slices in this process (the same bits); the workers wait for a round that fits
                 need = sum(len(p) for p in parts) * width * dtype.itemsize
-                if self.blocks_failed is None:   # said once
-                    self.blocks_failed = shm_room(need, "a round's deltas", e)
-                    log.warning("the generic engine trains a round's slices in this process, one after the other, "
-                                "where its deltas do not fit in shared memory (the same results): %s",
-                                self.blocks_failed)
+                self._no_room("its deltas do not fit in shared memory", need, "a round's deltas", e)
                 return self._here(w_global, parts, buffers)
             futures = [self.pool.submit(_train_in_worker, w_global, p, buffers, (k, b))
                        for k, (p, b) in enumerate(zip(parts, blocks))]
@@ -769,14 +763,10 @@ class GenericEngine(PoolOwner):
             concurrent.futures.wait(futures)
             full = next((e for e in (f.exception() for f in futures) if e is not None and shm_error(e)), None)
             if full is not None:
-                # the weights, the buffers or a slice's results did not fit in shared memory on their way: this
-                # round's slices in this process (the same bits; no worker writes into a block any more)
-                if self.transfer_failed is None:   # said once
-                    need = w_global.nbytes + sum(b.nbytes for b in (buffers or {}).values())
-                    self.transfer_failed = shm_room(need, "a round's weights and buffers (and its results)", full)
-                    log.warning("the generic engine trains a round's slices in this process, one after the other, "
-                                "where the round does not fit in shared memory on its way to or from the workers "
-                                "(the same results): %s", self.transfer_failed)
+                # the weights, the buffers or a slice's results on their way (no worker writes into a block now)
+                need = w_global.nbytes + sum(b.nbytes for b in (buffers or {}).values())
+                self._no_room("the round does not fit in shared memory on its way to or from the workers", need,
+                              "a round's weights and buffers (and its results)", full)
                 return self._here(w_global, parts, buffers)
             out = []
             for f, b in zip(futures, blocks):
@@ -785,6 +775,14 @@ class GenericEngine(PoolOwner):
                     r.delta = b[i].clone()
                 out.extend(results)
             return out
+
+    def _no_room(self, where: str, need: int, what: str, e: BaseException) -> None:
+        """A round that found no room in shared memory trains in this process, with the same bits (the workers wait
+        for a round that fits): said once for each `where` (`no_room`: why, `shm_room`'s line)."""
+        if where not in self.no_room:
+            self.no_room[where] = shm_room(need, what, e)
+            log.warning("the generic engine trains a round's slices in this process, one after the other, where %s "
+                        "(the same results): %s", where, self.no_room[where])
 
     def _here(self, w_global: torch.Tensor, parts: list[list[TrainTask]],
               buffers: dict[str, torch.Tensor] | None) -> list[LocalResult]:
