@@ -38,7 +38,6 @@ log = logging.getLogger("dropfl.alloc")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8   # glibc <malloc.h>
 ARENAS = ((M_ARENA_MAX, 1),)
-THRESHOLDS = ((M_MMAP_THRESHOLD, 256 << 20), (M_TRIM_THRESHOLD, 512 << 20))
 _applied: dict[tuple, bool] = {}
 
 
@@ -67,7 +66,6 @@ def keep_freed_memory(mmap_below: int = 256 << 20, keep: int = 512 << 20) -> boo
     """Serve allocations below `mmap_below` bytes from the heap and keep up to `keep` bytes of freed memory for
     reuse (the coordinator's process: 256 and 512 MB; the engines' training workers: 1 GiB each,
     `batched._keep_freed_memory`)."""
-    ok = _mallopt(THRESHOLDS if (mmap_below, keep) == (256 << 20, 512 << 20)
-                  else ((M_MMAP_THRESHOLD, mmap_below), (M_TRIM_THRESHOLD, keep)))
+    ok = _mallopt(((M_MMAP_THRESHOLD, mmap_below), (M_TRIM_THRESHOLD, keep)))
     log.debug("malloc: %s", "freed memory kept for reuse (coordinator/alloc.py)" if ok else "glibc's defaults")
     return ok
