@@ -9,7 +9,7 @@ mode: eager torch ops on NCHW tensors, the reference loop's bits). This measures
 - `channels-last`: the model's parameters and the images channels-last (`.to(memory_format=...)`), so every
   convolution, BatchNorm, ReLU and pool runs on NHWC tensors (oneDNN's NHWC convolutions);
 - `channels-last, BatchNorm input NCHW`: as above, each BatchNorm given its input made contiguous (the generic
-  engine's `functional._nchw_input`, its fix for the same precision loss under vmap);
+  engine's `channels_last.nchw_input`, its fix for the same precision loss under vmap);
 - `channels-last, BatchNorm in torch ops`: as `channels-last`, each BatchNorm computed by torch ops (`var_mean`
   over (N, H, W), normalise, scale; autograd differentiates them) instead of torch's BatchNorm kernel;
 - `channels-last, BatchNorm summed in double`: what per-client mode runs for a Conv2d-BatchNorm model
@@ -60,8 +60,6 @@ from test_functional_engine import TinyResNet  # noqa: E402
 
 from coordinator.sim import channels_last  # noqa: E402
 from coordinator.sim.batched import _keep_freed_memory  # noqa: E402
-from coordinator.sim.channels_last import channels_last_copy  # noqa: E402
-from coordinator.sim.functional import _nchw_input  # noqa: E402
 from edge_client.models import SeededDropout, get_buffers, get_flat  # noqa: E402
 from edge_client.trainer import TrainTask, local_train  # noqa: E402
 
@@ -100,7 +98,7 @@ def variant(model: nn.Module, name: str) -> tuple[nn.Module, Callable[[torch.Ten
         m.compile()   # in place: its parameters' and buffers' names stay the model's
         return m, lambda x: x
     if "summed in double" in name:
-        m = channels_last_copy(model)
+        m = channels_last.channels_last_copy(model)
         if name.endswith("(torch backend)"):   # the reference backend: each forward told there is no library
             forward = m.forward
 
@@ -112,7 +110,7 @@ def variant(model: nn.Module, name: str) -> tuple[nn.Module, Callable[[torch.Ten
     m = m.to(memory_format=torch.channels_last)
     for layer in m.modules():
         if isinstance(layer, nn.BatchNorm2d) and name.endswith("input NCHW"):
-            layer.forward = _nchw_input(layer)
+            channels_last.nchw_input(layer)
         elif isinstance(layer, nn.BatchNorm2d) and name.endswith("torch ops"):
             layer.forward = _ops_batchnorm(layer)
     return m, lambda x: x.contiguous(memory_format=torch.channels_last)

@@ -275,7 +275,7 @@ def test_float32_batchnorm_as_close_to_float64_as_the_loop() -> None:
     """A ResNet with BatchNorm at CIFAR size (width 16, 3×32×32, batch 32, 2 steps; the example ResNet-8's
     layers): the engine's float32 updates are within 1e-5 of the loop's, and over the clients as far from the
     float64 result as the loop's (median over 4 clients at most 2× + 1e-7). Where the BatchNorm input stayed
-    channels-last (before `functional._nchw_input`), torch's less precise channels-last BatchNorm backward put every
+    channels-last (before `channels_last.nchw_input`), torch's less precise channels-last BatchNorm backward put every
     client 30-400× farther from float64 than the loop (3e-5 to 6e-5 of updates ~1e-2; 8e-6 to 1.4e-5 here) and this
     fails. One client alone can be farther: with torch's AVX2 or portable kernels (ATEN_CPU_CAPABILITY=avx2 or
     default, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 machine, 1 thread) one of the 4 was
@@ -350,7 +350,7 @@ def test_per_client_mode_is_local_train_on_one_thread_bit_for_bit(workers: int, 
     if layout == "NCHW":
         monkeypatch.setenv("DROPFL_CHANNELS_LAST", "0")   # the workers inherit it
     elif not kernels.available():
-        pytest.skip("channels-last needs the native kernels, which do not build here")
+        pytest.skip(f"channels-last needs the native kernels, which do not build here ({kernels.error()})")
     torch.manual_seed(0)
     model = TinyResNet(width=16)
     w = get_flat(model)

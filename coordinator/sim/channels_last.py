@@ -158,22 +158,33 @@ class _PreciseBatchNorm:
 
 
 class _NCHWInput:
-    """Mixed into a channels-last copy's BatchNorm2d classes that override `forward`: theirs, on the input made
-    NCHW (torch's precise kernel)."""
+    """Mixed into a BatchNorm's class (`nchw_input`; in a channels-last copy, the classes that override `forward`):
+    its own forward, on the input made NCHW (torch's precise kernel)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.contiguous())
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _mixed(cls: type, mixin: type) -> type:
+    """`cls` with `mixin` in front, one class per pair (`isinstance`, state-dict keys and deepcopy unchanged)."""
+    if (cls, mixin) not in _CLASSES:
+        _CLASSES[cls, mixin] = type(cls.__name__, (mixin, cls), {"__module__": __name__})
+    return _CLASSES[cls, mixin]
 
 
 def _precise_class(cls: type) -> type:
     """`cls` with `_PreciseBatchNorm` (its forward is `_BatchNorm`'s) or `_NCHWInput` (it has its own) in front."""
-    if cls not in _CLASSES:
-        mixin = _PreciseBatchNorm if cls.forward is nn.modules.batchnorm._BatchNorm.forward else _NCHWInput
-        _CLASSES[cls] = type(cls.__name__, (mixin, cls), {"__module__": __name__})
-    return _CLASSES[cls]
+    return _mixed(cls, _PreciseBatchNorm if cls.forward is nn.modules.batchnorm._BatchNorm.forward else _NCHWInput)
+
+
+def nchw_input(layer: nn.Module) -> None:
+    """`layer`, a BatchNorm, computes its forward on its input made contiguous (NCHW) from now on: its class is
+    swapped for one with `_NCHWInput` in front (rather than its `forward` patched with a closure, which a deepcopy
+    of the model would share, computing on the original layer's buffers). Costs one copy per call."""
+    layer.__class__ = _mixed(type(layer), _NCHWInput)
 
 
 def channels_last_copy(model: nn.Module) -> nn.Module:

@@ -83,17 +83,6 @@ class _Masks:
         return x * self.queue.pop(0) / (1.0 - layer.p)
 
 
-def _nchw_input(layer: nn.Module):
-    """`layer`'s forward on its input made contiguous (NCHW). Under vmap a BatchNorm's input is channels-last
-    wherever the convolution before it read channels-last (`_inputs`), and torch's CPU BatchNorm kernel sums a
-    channels-last batch's gradients far less precisely than an NCHW one's (float32, one BatchNorm2d, 32×16×32×32:
-    weight and bias gradients 9e-6 and 2e-6 from float64 against 4e-7 and 4e-8). Through the example ResNet-8 that
-    was 3e-5 to 6e-5 of the update after 2 steps, 30-400× the loop's own distance from float64; made contiguous,
-    the engine is as close to float64 as the loop (tests/test_functional_engine.py). Costs one copy per layer."""
-    forward = type(layer).forward
-    return lambda x: forward(layer, x.contiguous())
-
-
 def _pool_args(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
     """F.max_pool2d's arguments, bound by name (a call may pass any of them either way)."""
     return input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
@@ -271,7 +260,13 @@ class FunctionalEngine:
             if isinstance(layer, SeededDropout):
                 layer.forward = lambda x, layer=layer: self.masks.forward(layer, x)   # type: ignore[method-assign]
             elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
-                layer.forward = _nchw_input(layer)   # type: ignore[method-assign]
+                # Under vmap a BatchNorm's input is channels-last wherever the convolution before it read
+                # channels-last (`_inputs`), and torch's CPU BatchNorm kernel sums a channels-last batch's gradients
+                # far less precisely than an NCHW one's (float32, one BatchNorm2d, 32×16×32×32: weight and bias
+                # gradients 9e-6 and 2e-6 from float64 against 4e-7 and 4e-8). Through the example ResNet-8 that was
+                # 3e-5 to 6e-5 of the update after 2 steps, 30-400× the loop's own distance from float64; made
+                # contiguous, the engine is as close to float64 as the loop (tests/test_functional_engine.py).
+                channels_last.nchw_input(layer)
         self.drops: list[tuple[SeededDropout, tuple[int, ...]]] = []
         # the threads that draw the clients' dropout masks (`_draw`): on a GPU one per CPU (at most 16), else none
         self.draw_threads = min(cpus(), 16) if is_cuda(self.device) else 0
