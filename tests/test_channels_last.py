@@ -23,6 +23,9 @@ from edge_client.trainer import TrainTask, local_train
 
 # native: every variant this CPU runs whose library builds here; torch: the reference backend
 BACKENDS = [v for v in kernels.cpu_variants() if kernels.available(v)] + ["torch"]
+# why the tests of the native backend skip, where they do (no C++ compiler, a failed build): the build's error
+NO_NATIVE = None if len(BACKENDS) > 1 else \
+    f"the native kernels do not build here ({kernels.error(kernels.cpu_variants()[-1]) or 'unknown'})"
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -91,7 +94,7 @@ def test_the_channels_last_batchnorm_is_as_close_to_float64_as_torch_s_nchw_kern
         assert rel(v, r) <= max(4 * rel(n, r), 2e-7), (name, rel(v, r), rel(n, r))
 
 
-@pytest.mark.skipif(len(BACKENDS) < 2, reason="the native kernels do not build here")
+@pytest.mark.skipif(NO_NATIVE is not None, reason=str(NO_NATIVE))
 def test_the_native_and_torch_backends_train_a_resnet_to_the_same_result_within_rounding(monkeypatch):
     torch.manual_seed(0)
     model = TinyResNet(width=16)
@@ -154,7 +157,7 @@ def test_the_copy_is_the_model_channels_last():
     assert _MyBatchNorm.seen == [True]
 
 
-@pytest.mark.skipif(len(BACKENDS) < 2, reason="the native kernels do not build here")
+@pytest.mark.skipif(NO_NATIVE is not None, reason=str(NO_NATIVE))
 def test_which_models_train_channels_last(monkeypatch):
     x = torch.zeros(2, 3, 8, 8)
     assert cl.layout_rule(TinyResNet(4), x) == (True, "Conv2d with BatchNorm2d")
@@ -170,7 +173,7 @@ def test_which_models_train_channels_last(monkeypatch):
     assert cl.layout_rule(TinyResNet(4), x) == (False, "DROPFL_CHANNELS_LAST=0")
 
 
-@pytest.mark.skipif(len(BACKENDS) < 2, reason="the native kernels do not build here")
+@pytest.mark.skipif(NO_NATIVE is not None, reason=str(NO_NATIVE))
 def test_per_client_mode_channels_last_equals_the_loop_within_float_rounding():
     """The engine (channels-last, 2 workers) against the loop's NCHW `local_train` on one thread, one step per
     client, FedProx, SCAFFOLD and BatchNorm buffers included: the same loss, and the same update within 1e-5

@@ -203,9 +203,9 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
             _libs[variant] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _errors[variant] = str(e)
-            warnings.warn(f"dropfl: native kernels unavailable ({variant}: {e}); the engines use torch ops "
-                          "instead (the LeNets' first two layers, per-client mode's channels-last BatchNorm: the "
-                          "same results to rounding, slower)", stacklevel=2)
+            warnings.warn(f"dropfl: native kernels unavailable ({variant}: {e}); the engines run without them "
+                          "(the LeNets' first two layers in torch ops: the same results to rounding, slower; "
+                          "per-client mode keeps BatchNorm models NCHW)", stacklevel=2)
         return _libs.get(variant)
 
 

@@ -1602,7 +1602,8 @@ void bn_col_sums(const float* __restrict x, int64_t M, int64_t C, const double* 
   if (shift) for (int64_t j = 0; j < W; ++j) sh[j] = shift[j % C];
   double* __restrict a = acc.data();
   const double* __restrict s = sh.data();
-  if (W == BN_LANES) {
+  if (W == BN_LANES) {   // the loop below with a width the compiler knows: it vectorises it better (the
+                         // forward's statistics passes, measured faster side by side; bits the same)
     for (int64_t i = 0; i < chunks; ++i) {
       const float* r = x + i * BN_LANES;
       if (shift) { for (int64_t j = 0; j < BN_LANES; ++j) { const double d = (double)r[j] - s[j]; a[j] += d * d; } }
