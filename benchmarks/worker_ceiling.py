@@ -6,7 +6,8 @@ doing the same work reach at once: the cores share caches and memory bandwidth, 
 one. For each workload this measures, side by side in one run (`--repeats` rounds each, the first of each set
 dropped as start-up, the median kept):
 
-- `one process`: a process training half the round's clients (each client's `local_train` on one thread), alone;
+- `one process`: a process training half the round's clients as one of the engine's workers does (`PerClientEngine`:
+  each client's `local_train` on the engine's copy of the model, one thread, freed memory kept), alone;
 - `two processes`: two such processes at once, each half the clients; their rates summed (the ceiling);
 - `engine`: `GenericEngine` in per-client mode, 2 worker processes, the whole round (`run`: the clients' results
   back in the calling process, each delta its own tensor), in a process of its own;
@@ -63,18 +64,21 @@ def setup(name: str, clients: int):
 
 
 def child(name: str, clients: int, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` rounds of `clients` clients trained one after another on one thread."""
+    """Seconds of each of `repeats` rounds of `clients` clients trained one after another on one thread, as one of
+    the engine's workers trains them: `PerClientEngine` (`local_train` on the engine's copy of the model, e.g.
+    channels-last), with freed memory kept as the workers keep it."""
+    from coordinator.sim.batched import _keep_freed_memory
+    from coordinator.sim.functional import PerClientEngine
     from edge_client.models import get_flat
-    from edge_client.trainer import local_train
+    _keep_freed_memory()
     torch.set_num_threads(1)
     _, model, data, tasks = setup(name, clients)
     w0 = get_flat(model).clone()
+    eng = PerClientEngine(model, data, threads=1)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for t in tasks:
-            x, y = data[t.client]
-            local_train(model, w0, x, y, t)
+        eng.run(w0, tasks)
         times.append(time.perf_counter() - start)
     return times
 
@@ -188,8 +192,9 @@ def main() -> None:
           f"CPU: {meta['cpu']}, {meta['cpus']} CPUs; torch {meta['torch']}, Python {meta['python']}; measured "
           f"{meta['measured']}, 1-min load {load_before:.2f} before, {meta['load_avg_1min'][1]:.2f} after.", "",
           f"Client-steps/s, median of {args.sets} interleaved sets; in each, a measurement's median round of "
-          f"{args.repeats - 1} (after one start-up round). `one process`: half the round's clients trained by one "
-          "process of one thread, alone; `two processes`: two such at once, summed; `engine`: the generic engine in "
+          f"{args.repeats - 1} (after one start-up round). `one process`: half the round's clients trained as one of "
+          "the engine's workers trains them (one thread, freed memory kept), alone; `two processes`: two such at "
+          "once, summed; `engine`: the generic engine in "
           "per-client mode, 2 worker processes, the whole round, in a process of its own" + (
               f" (this checkout, {meta['commit']}); `engine before`: the same with the code of "
               f"{meta['before']['commit']}" if before else "") + ".", "",

@@ -414,6 +414,34 @@ def test_the_workers_deltas_come_back_through_blocks_the_engine_keeps(mode: str)
             assert torch.equal(r.delta, c) and torch.equal(r.delta, x.delta) and (r.loss, r.steps) == (x.loss, x.steps)
             assert not r.delta.is_shared() and r.delta.untyped_storage().data_ptr() not in block_storages
             assert r.delta.untyped_storage().nbytes() == r.delta.numel() * r.delta.element_size()
+            # the buffers came back by value (`by_value`), not in a shared-memory file each
+            assert r.buffers.keys() == x.buffers.keys() and all(
+                torch.equal(b, x.buffers[n]) and b.dtype == x.buffers[n].dtype and not b.is_shared()
+                for n, b in r.buffers.items())
+
+
+def test_buffers_cross_to_and_from_the_workers_by_value_with_their_bits() -> None:
+    """`by_value`: a small buffer as a numpy array (pickled into the stream, no shared-memory file), back as a tensor
+    with the same dtype, shape and bits (a 0-dim count, a non-contiguous view, NaN and -0.0 included); a buffer of
+    BY_VALUE_BELOW bytes or more, or of a dtype numpy lacks (bfloat16), stays a tensor; None stays None."""
+    import pickle
+
+    import numpy as np
+
+    from coordinator.sim.functional import BY_VALUE_BELOW, by_value, from_value
+    big = torch.zeros(BY_VALUE_BELOW // 4)
+    bufs = {"mean": torch.tensor([1.5, float("nan"), -0.0, 3e-39]), "count": torch.tensor(7),
+            "strided": torch.arange(12.0, dtype=torch.float64).reshape(3, 4)[:, ::2], "bf16": torch.ones(3).bfloat16(),
+            "big": big}
+    sent = by_value(bufs)
+    assert {k for k, v in sent.items() if isinstance(v, np.ndarray)} == {"mean", "count", "strided"}
+    assert sent["big"] is big and isinstance(sent["bf16"], torch.Tensor)
+    back = from_value(pickle.loads(pickle.dumps({k: v for k, v in sent.items() if k != "big"})))
+    for k, v in back.items():
+        assert v.dtype == bufs[k].dtype and v.shape == bufs[k].shape
+        assert torch.equal(v.view(-1).view(torch.uint8) if v.dtype != torch.bfloat16 else v,
+                           bufs[k].contiguous().view(-1).view(torch.uint8) if v.dtype != torch.bfloat16 else bufs[k])
+    assert by_value(None) is None and from_value(None) is None
 
 
 def test_the_transport_records_per_client_mode() -> None:

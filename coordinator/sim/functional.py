@@ -642,6 +642,37 @@ def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, siz
 
 _BLOCKS: dict[int, torch.Tensor] = {}   # a worker's hold on the parent's delta blocks, by slice (see `_DeltaBlocks`)
 
+BY_VALUE_BELOW = 1 << 20   # bytes: a buffer smaller than this crosses between the processes by value (`by_value`)
+
+
+def by_value(buffers: dict[str, torch.Tensor] | None) -> dict | None:
+    """Buffers (a round's global ones on their way to a worker, a client's after training on their way back) with
+    each small one as a numpy array, which pickles into the pipe's stream by value. As a tensor each would cross in
+    a shared-memory file of its own (torch's reduction: a file made, mapped and faulted for every tensor): ResNet-8's
+    27 buffers × 10 clients a slice kept a round's results ~0.1 s from the parent after its workers had finished,
+    a sixth of the round (the engine 1.16× faster without it: benchmarks/results/worker_ceiling.md). A large
+    buffer, or one of a dtype numpy lacks, still crosses as a tensor; either way the bits are the tensor's
+    (`from_value`)."""
+    if buffers is None:
+        return None
+    return {k: v.detach().numpy() if v.nbytes < BY_VALUE_BELOW and v.device.type == "cpu" and _numpy_dtype(v)
+            else v for k, v in buffers.items()}
+
+
+def from_value(buffers: dict | None) -> dict[str, torch.Tensor] | None:
+    """`by_value`'s buffers as tensors again (the numpy arrays' memory, no copy)."""
+    if buffers is None:
+        return None
+    return {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(v) for k, v in buffers.items()}
+
+
+def _numpy_dtype(t: torch.Tensor) -> bool:
+    try:
+        torch.empty(0, dtype=t.dtype).numpy()
+    except TypeError:   # bfloat16, the float8 kinds and other dtypes numpy lacks
+        return False
+    return True
+
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], buffers: dict[str, torch.Tensor] | None,
                      block: tuple[int, torch.Tensor]) -> list[LocalResult]:
@@ -652,9 +683,10 @@ def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], buffers: di
     # held until the parent sends another block for this slice: torch then finds the mapping in its cache
     # (multiprocessing/reductions.py, by the shared file's inode) instead of mapping and faulting the pages again
     _BLOCKS[number] = rows
-    results = _WORKER.run(w_global, tasks, buffers, out=rows[:len(tasks)])
+    results = _WORKER.run(w_global, tasks, from_value(buffers), out=rows[:len(tasks)])
     for r in results:
         r.delta = None   # type: ignore[assignment]  # in the parent's block
+        r.buffers = by_value(r.buffers)
     return results
 
 
@@ -752,7 +784,8 @@ class GenericEngine(PoolOwner):
                 need = sum(len(p) for p in parts) * width * dtype.itemsize
                 self._no_room("its deltas do not fit in shared memory", need, "a round's deltas", e)
                 return self._here(w_global, parts, buffers)
-            futures = [self.pool.submit(_train_in_worker, w_global, p, buffers, (k, b))
+            sent = by_value(buffers)
+            futures = [self.pool.submit(_train_in_worker, w_global, p, sent, (k, b))
                        for k, (p, b) in enumerate(zip(parts, blocks))]
             # every slice finished (or failed) before any block is read or handed out again
             concurrent.futures.wait(futures)
@@ -768,6 +801,7 @@ class GenericEngine(PoolOwner):
                 results = f.result()
                 for i, r in enumerate(results):
                     r.delta = b[i].clone()
+                    r.buffers = from_value(r.buffers)
                 out.extend(results)
             return out
 
