@@ -650,7 +650,7 @@ def by_value(buffers: dict[str, torch.Tensor] | None) -> dict | None:
     each small one as a numpy array, which pickles into the pipe's stream by value. As a tensor each would cross in
     a shared-memory file of its own (torch's reduction: a file made, mapped and faulted for every tensor): ResNet-8's
     27 buffers × 10 clients a slice kept a round's results ~0.1 s from the parent after its workers had finished,
-    a sixth of the round (the engine 1.16× faster without it: benchmarks/results/worker_ceiling.md). A large
+    a sixth of the round (the engine 1.14× faster without it: benchmarks/results/worker_ceiling.md). A large
     buffer, or one of a dtype numpy lacks, still crosses as a tensor; either way the bits are the tensor's
     (`from_value`)."""
     if buffers is None:
