@@ -168,6 +168,53 @@ def test_a_round_that_cannot_reach_the_workers_trains_in_this_process(monkeypatc
         assert all(torch.equal(a.delta, b.delta) and a.loss == b.loss for a, b in zip(got, ref))
 
 
+def test_a_hand_written_engine_slice_that_cannot_reach_its_worker_trains_in_this_process(monkeypatch, caplog):
+    """The hand-written batched engine: a slice whose weights or deltas find /dev/shm full on their way to or from its
+    worker (its future raises torch's error) trains in this process, through `run`, `run_iter` and `run_parts` alike,
+    with the worker's results bit for bit, said once; a slice that fits goes to its worker again (the first slice of
+    a round fails, the second reaches its worker)."""
+    import concurrent.futures
+
+    import torch
+
+    from coordinator.sim.batched import BatchedEngine
+    from edge_client.models import build_model, get_flat
+    from edge_client.trainer import TrainTask
+
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.rand(24, 1, 28, 28, generator=g), torch.randint(0, 10, (24,), generator=g)) for _ in range(4)]
+    model = build_model("mimic-cnn", (1, 28, 28), seed=0)
+    w = get_flat(model)
+    tasks = [TrainTask(c, 0, 0.05, 8, steps=2, seed=3) for c in range(4)]
+    engine = BatchedEngine(model, data, workers=2, device="cpu")
+    try:
+        assert engine.workers == 2
+        ref = engine.run(w, tasks)
+        submit, sent = engine.pool.submit, []
+
+        def first_full(fn, *args):   # the round's first slice meets a full /dev/shm, the second goes through
+            sent.append(args[1])
+            if len(sent) % 2:
+                f = concurrent.futures.Future()
+                f.set_exception(RuntimeError(SHM_ERROR))
+                return f
+            return submit(fn, *args)
+        monkeypatch.setattr(engine.pool, "submit", first_full)
+        with caplog.at_level("WARNING", logger="dropfl.sim"):
+            got = [engine.run(w, tasks), [r for part in engine.run_iter(w, tasks) for r in part],
+                   [r for part in engine.run_parts([(w, p, None, None) for p in engine.slices(tasks)]) for r in part]]
+        assert engine._here_group is not None
+    finally:
+        engine.close()
+    assert len(sent) == 6 and all(len(s) == 2 for s in sent)   # every slice was sent to a worker first
+    warned = [r.message for r in caplog.records]
+    assert len(warned) == 1 and "trains a slice in this process" in warned[0], warned
+    assert "on its way to or from its worker" in warned[0] and "--shm-size" in warned[0]
+    for results in got:
+        assert [r.steps for r in results] == [2] * 4
+        assert all(torch.equal(a.delta, b.delta) and a.loss == b.loss for a, b in zip(results, ref))
+
+
 def _unshare_usable() -> str | None:
     import os
     import shutil

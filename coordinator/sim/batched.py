@@ -907,6 +907,15 @@ class PoolOwner:
         self.pool = ProcessPoolExecutor(workers, mp_context=tmp.get_context("spawn"), initializer=initializer,
                                         initargs=initargs)
 
+    def _no_room(self, doing: str, where: str, need: int, what: str, e: BaseException) -> None:
+        """Work that found no room in shared memory on its way to or from the workers trains in this process, with
+        the same bits (the workers wait for work that fits): said once for each `where` (`no_room`: why, by where,
+        `shm_room`'s line), as "<doing> where <where> (the same results): <why>"."""
+        said = self.__dict__.setdefault("no_room", {})
+        if where not in said:
+            said[where] = shm_room(need, what, e)
+            log.warning("%s where %s (the same results): %s", doing, where, said[where])
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
@@ -964,8 +973,10 @@ class BatchedEngine(PoolOwner):
         if workers > 0 and not self.share_data([x_all, y_all, x_split], "batched engine", max(1, groups)):
             workers = 0
         self.groups, self.workers = max(1, groups), workers
-        self.local = Group(model, x_all, y_all, offsets, sizes, device, threads, variant, x_split=x_split) \
-            if workers == 0 else None
+        group = (model, x_all, y_all, offsets, sizes, device, threads, variant, x_split)
+        self.local = Group(*group) if workers == 0 else None
+        # with workers: what a slice that finds no room in shared memory trains on here (`_slice_here`), made then
+        self._group, self._here_group = group, None
         if workers > 0:
             self.start_pool(workers, _init_worker, (model, x_all, y_all, offsets, sizes, threads, variant, x_split))
 
@@ -1005,7 +1016,7 @@ class BatchedEngine(PoolOwner):
             return
         futures = [self.pool.submit(_train_in_worker, *p) for p in parts]
         while futures:  # popped: a handed-over slice is not kept by its future
-            yield _unpack(futures.pop(0).result())
+            yield self._result(futures.pop(0), parts.pop(0))
 
     def run_parts(self, parts: list[tuple]) -> list[list[LocalResult]]:
         """Train each part, (w_global, tasks, data, start[, terms]) as `Group.train` takes them, as one
@@ -1014,7 +1025,23 @@ class BatchedEngine(PoolOwner):
             assert self.local is not None
             return [self.local.train(*p) for p in parts]
         futures = [self.pool.submit(_train_in_worker, *p) for p in parts]
-        return [_unpack(f.result()) for f in futures]
+        return [self._result(f, p) for f, p in zip(futures, parts)]
+
+    def _result(self, future, part: tuple) -> list[LocalResult]:
+        """A worker's results for `part`; where its weights or its results found no room in shared memory on the
+        way (torch pickles them through /dev/shm), the part trained in this process instead: the same `Group.train`
+        on the same slice with the same threads, so the same bits; said once (`_no_room`)."""
+        e = future.exception()
+        if e is None or not shm_error(e):
+            return _unpack(future.result())
+        w_global, tasks = part[0], part[1]
+        need = w_global.nbytes + len(tasks) * w_global.shape[-1] * w_global.element_size()
+        self._no_room("the batched engine trains a slice in this process",
+                      "it does not fit in shared memory on its way to or from its worker", need,
+                      "a slice's weights and deltas", e)
+        if self._here_group is None:
+            self._here_group = Group(*self._group)
+        return self._here_group.train(*part)
 
 
 def contiguous_slices(tasks: list, groups: int) -> list[list]:

@@ -56,7 +56,6 @@ from coordinator.sim.batched import (
     contiguous_slices,
     cpus,
     shm_error,
-    shm_room,
 )
 from edge_client import objectives as objectives_
 from edge_client.determinism import cuda_deterministic, is_cuda
@@ -723,6 +722,8 @@ class GenericEngine(PoolOwner):
     model (the probe of `FunctionalEngine`, in this process, before any worker starts). The workers write their
     deltas into shared-memory blocks this engine keeps (`_DeltaBlocks`)."""
 
+    HERE = "the generic engine trains a round's slices in this process, one after the other"   # `_no_room`'s words
+
     def __init__(self, model: nn.Module, client_data: list[tuple[torch.Tensor, torch.Tensor]],
                  device: str | None = "auto", workers: int | None = None, mode: str | None = None):
         dev = _engine_device(device)
@@ -757,7 +758,6 @@ class GenericEngine(PoolOwner):
         self.workers = workers
         self.blocks, self.blocks_lock = _DeltaBlocks(), threading.Lock()
         self.param_dtype = next((p.dtype for p in model.parameters()), torch.float32)
-        self.no_room: dict[str, str] = {}   # why a round first found no room in shared memory, by where (`_no_room`)
         if workers > 0:
             self.start_pool(workers, _init_worker, (shipped, self.local.x_all, self.local.y_all, self.local.sizes,
                                                     mode))
@@ -782,7 +782,7 @@ class GenericEngine(PoolOwner):
                 if not shm_error(e):
                     raise
                 need = sum(len(p) for p in parts) * width * dtype.itemsize
-                self._no_room("its deltas do not fit in shared memory", need, "a round's deltas", e)
+                self._no_room(self.HERE, "its deltas do not fit in shared memory", need, "a round's deltas", e)
                 return self._here(w_global, parts, buffers)
             sent = by_value(buffers)
             futures = [self.pool.submit(_train_in_worker, w_global, p, sent, (k, b))
@@ -793,8 +793,8 @@ class GenericEngine(PoolOwner):
             if full is not None:
                 # the weights, the buffers or a slice's results on their way (no worker writes into a block now)
                 need = w_global.nbytes + sum(b.nbytes for b in (buffers or {}).values())
-                self._no_room("the round does not fit in shared memory on its way to or from the workers", need,
-                              "a round's weights and buffers (and its results)", full)
+                self._no_room(self.HERE, "the round does not fit in shared memory on its way to or from the workers",
+                              need, "a round's weights and buffers (and its results)", full)
                 return self._here(w_global, parts, buffers)
             out = []
             for f, b in zip(futures, blocks):
@@ -804,14 +804,6 @@ class GenericEngine(PoolOwner):
                     r.buffers = from_value(r.buffers)
                 out.extend(results)
             return out
-
-    def _no_room(self, where: str, need: int, what: str, e: BaseException) -> None:
-        """A round that found no room in shared memory trains in this process, with the same bits (the workers wait
-        for a round that fits): said once for each `where` (`no_room`: why, `shm_room`'s line)."""
-        if where not in self.no_room:
-            self.no_room[where] = shm_room(need, what, e)
-            log.warning("the generic engine trains a round's slices in this process, one after the other, where %s "
-                        "(the same results): %s", where, self.no_room[where])
 
     def _here(self, w_global: torch.Tensor, parts: list[list[TrainTask]],
               buffers: dict[str, torch.Tensor] | None) -> list[LocalResult]:
