@@ -3,10 +3,11 @@
 qemu-user's EPYC-Rome CPU model: CPUID says AuthenticAMD, AVX2, no AVX-512, so torch, oneDNN and MKL pick the paths
 such a machine takes from the CPU itself, and /proc/cpuinfo (in a private mount namespace) says the same to dropfl's
 native kernels. The files run here are the ones a machine of that kind failed before the suite stopped assuming its
-CPU (the native layers' bits where MKL's order is known, the kernels' variants, batch-invariant logits).
+CPU (the native layers' bits where MKL's order is known, the kernels' variants, batch-invariant logits), and the
+channels-last BatchNorm's (its kernel's variant for this CPU against torch's kernels on it, to float64).
 
 Opt-in like the emulated Pi: only with DROPFL_TEST_DEVICE=1 (`make test` sets it), as root, with qemu-user-static on
-an x86-64 machine; otherwise it skips and says which is missing. About 5 minutes on 2 cores (7x slower than
+an x86-64 machine; otherwise it skips and says which is missing. About 4 minutes on 2 cores (7x slower than
 native); the whole engine tier: `make test-emulated-cpu`, ~16 min.
 """
 
@@ -22,7 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "emulated-cpu.sh"
-FILES = ("tests/test_kernels.py", "tests/test_batched_fastpath.py", "tests/test_evaluator.py")
+FILES = ("tests/test_kernels.py", "tests/test_batched_fastpath.py", "tests/test_evaluator.py",
+         "tests/test_channels_last.py")
 
 
 def why_not() -> str | None:
