@@ -1590,8 +1590,8 @@ DROPFL_UPDATE(double, f64)
 // kernel's. Where C divides 64, the rows are read as chunks of 64 values (64 / C rows) with one double
 // accumulator per lane, folded per channel at the end in a fixed order: the loops vectorise whatever C is, and
 // the bits do not depend on anything but the data. Otherwise row by row (C lanes). Each loop over chunks has a copy
-// written at the constant width BN_LANES, which the compiler vectorises better (the same bits; forward 1.16-1.35x,
-// backward 1.32-1.59x at ResNet-8's shapes: benchmarks/bn_kernels.py, results/bn_kernels.md).
+// written at the constant width BN_LANES, which the compiler vectorises better (the same bits; at ResNet-8's shapes
+// forward up to 1.35x, backward 1.16-1.59x: benchmarks/bn_kernels.py, results/bn_kernels.md).
 namespace {
 
 constexpr int64_t BN_LANES = 64;
