@@ -204,6 +204,7 @@ def test_a_hand_written_engine_slice_that_cannot_reach_its_worker_trains_in_this
             got = [engine.run(w, tasks), [r for part in engine.run_iter(w, tasks) for r in part],
                    [r for part in engine.run_parts([(w, p, None, None) for p in engine.slices(tasks)]) for r in part]]
         assert engine._here_group is not None
+        assert list(engine.no_room) == ["it does not fit in shared memory on its way to or from its worker"]
     finally:
         engine.close()
     assert len(sent) == 6 and all(len(s) == 2 for s in sent)   # every slice was sent to a worker first

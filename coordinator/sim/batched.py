@@ -882,6 +882,7 @@ class PoolOwner:
 
     pool: ProcessPoolExecutor | None = None
     in_process_reason: str | None = None
+    no_room: dict[str, str] | None = None   # why work first found no room in shared memory, by where (`_no_room`)
 
     def share_data(self, tensors: list[torch.Tensor | None], engine: str, slices: int) -> bool:
         """Put `tensors` (the data the workers read) in shared memory; False where it cannot hold them: then
@@ -911,10 +912,11 @@ class PoolOwner:
         """Work that found no room in shared memory on its way to or from the workers trains in this process, with
         the same bits (the workers wait for work that fits): said once for each `where` (`no_room`: why, by where,
         `shm_room`'s line), as "<doing> where <where> (the same results): <why>"."""
-        said = self.__dict__.setdefault("no_room", {})
-        if where not in said:
-            said[where] = shm_room(need, what, e)
-            log.warning("%s where %s (the same results): %s", doing, where, said[where])
+        if self.no_room is None:
+            self.no_room = {}
+        if where not in self.no_room:
+            self.no_room[where] = shm_room(need, what, e)
+            log.warning("%s where %s (the same results): %s", doing, where, self.no_room[where])
 
     def close(self) -> None:
         if self.pool is not None:
@@ -975,7 +977,7 @@ class BatchedEngine(PoolOwner):
         self.groups, self.workers = max(1, groups), workers
         group = (model, x_all, y_all, offsets, sizes, device, threads, variant, x_split)
         self.local = Group(*group) if workers == 0 else None
-        # with workers: what a slice that finds no room in shared memory trains on here (`_slice_here`), made then
+        # with workers: what a slice that finds no room in shared memory trains on here (`_result`), made then
         self._group, self._here_group = group, None
         if workers > 0:
             self.start_pool(workers, _init_worker, (model, x_all, y_all, offsets, sizes, threads, variant, x_split))
