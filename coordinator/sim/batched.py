@@ -816,13 +816,14 @@ def _keep_freed_memory() -> bool:
     return alloc.keep_freed_memory(mmap_below=1 << 30, keep=1 << 30)
 
 
-def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int],
-                 sizes: list[int], threads: int, native: bool | str, x_split: torch.Tensor | None = None) -> None:
+def _init_worker(model: nn.Module, x_all: torch.Tensor, y_all: torch.Tensor, offsets: list[int], sizes: list[int],
+                 device: str, threads: int, native: bool | str, x_split: torch.Tensor | None) -> None:
+    """A worker's `Group`, from the arguments the engine's own would take (`BatchedEngine._group`)."""
     global _WORKER
     _die_with_parent()
     _keep_freed_memory()
     torch.set_num_threads(threads)
-    _WORKER = Group(model, x_all, y_all, offsets, sizes, threads=threads, native=native, x_split=x_split)
+    _WORKER = Group(model, x_all, y_all, offsets, sizes, device, threads, native, x_split)
 
 
 def _train_in_worker(w_global: torch.Tensor, tasks: list[TrainTask], data: list[int] | None = None,
@@ -975,12 +976,13 @@ class BatchedEngine(PoolOwner):
         if workers > 0 and not self.share_data([x_all, y_all, x_split], "batched engine", max(1, groups)):
             workers = 0
         self.groups, self.workers = max(1, groups), workers
-        group = (model, x_all, y_all, offsets, sizes, device, threads, variant, x_split)
-        self.local = Group(*group) if workers == 0 else None
-        # with workers: what a slice that finds no room in shared memory trains on here (`_result`), made then
-        self._group, self._here_group = group, None
+        # a Group's arguments: this process's (without workers), each worker's, and, with workers, what a slice that
+        # finds no room in shared memory trains on here (`_result`, made then)
+        self._group = (model, x_all, y_all, offsets, sizes, device, threads, variant, x_split)
+        self.local = Group(*self._group) if workers == 0 else None
+        self._here_group = None
         if workers > 0:
-            self.start_pool(workers, _init_worker, (model, x_all, y_all, offsets, sizes, threads, variant, x_split))
+            self.start_pool(workers, _init_worker, self._group)
 
     def describe(self) -> str:
         """What trains the tasks, as recorded in metrics.jsonl's `engine`: "batched+native(<variant>)"

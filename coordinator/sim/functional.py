@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -654,7 +655,7 @@ def by_value(buffers: dict[str, torch.Tensor] | None) -> dict | None:
     (`from_value`)."""
     if buffers is None:
         return None
-    return {k: v.detach().numpy() if v.nbytes < BY_VALUE_BELOW and v.device.type == "cpu" and _numpy_dtype(v)
+    return {k: v.detach().numpy() if v.nbytes < BY_VALUE_BELOW and v.device.type == "cpu" and _numpy_dtype(v.dtype)
             else v for k, v in buffers.items()}
 
 
@@ -665,9 +666,10 @@ def from_value(buffers: dict | None) -> dict[str, torch.Tensor] | None:
     return {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(v) for k, v in buffers.items()}
 
 
-def _numpy_dtype(t: torch.Tensor) -> bool:
+@functools.cache   # asked for every buffer of every client of every round
+def _numpy_dtype(dtype: torch.dtype) -> bool:
     try:
-        torch.empty(0, dtype=t.dtype).numpy()
+        torch.empty(0, dtype=dtype).numpy()
     except TypeError:   # bfloat16, the float8 kinds and other dtypes numpy lacks
         return False
     return True
